@@ -1,0 +1,1 @@
+"""hfpaged: paged KV cache + continuous batching for transformers models."""

@@ -1,0 +1,1 @@
+"""Triton kernels for hfpaged (installed as ``hfpaged.kernels``)."""
