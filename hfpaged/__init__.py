@@ -1,1 +1,23 @@
-"""hfpaged: paged KV cache + continuous batching for transformers models."""
+"""hfpaged: paged KV cache + continuous batching for Hugging Face transformers models, in place.
+
+    import hfpaged
+    hfpaged.patch(model)
+    results = model.generate_many(prompts, tokenizer=tok, max_new_tokens=64)
+"""
+
+from .config import EngineConfig
+from .engine import Engine, generate_many
+from .outputs import GenerationResult, RequestOutput
+from .patch import patch, stats, unpatch
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "GenerationResult",
+    "RequestOutput",
+    "generate_many",
+    "patch",
+    "stats",
+    "unpatch",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,54 @@
+"""The one configuration object of an hfpaged engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass
+class EngineConfig:
+    """Settings fixed at ``patch`` time; validated on construction."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    attention_backend: str = "auto"  # "auto": Triton kernels on CUDA, torch reference elsewhere
+    enforce_eager: bool = False  # True: never capture CUDA graphs
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0  # GiB of pinned CPU memory for swapped-out blocks
+    watermark: float = 0.01  # share of blocks kept free when admitting new requests
+    cpu_kv_cache_gib: float = 1.0  # KV budget when num_blocks=None on a non-CUDA device
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+        positive_int("block_size")
+        positive_int("max_num_seqs")
+        positive_int("max_num_batched_tokens")
+        if self.num_blocks is not None:
+            positive_int("num_blocks")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.cpu_kv_cache_gib <= 0:
+            raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}

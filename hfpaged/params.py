@@ -1,0 +1,198 @@
+"""Per-request generation settings, resolved exactly the way ``model.generate`` resolves them.
+
+We reuse transformers' own helpers (``_prepare_generation_config``, ``_prepare_generated_length``,
+``_get_logits_processor``, ``_get_stopping_criteria``) so defaults, precedence and processor order
+cannot drift from stock ``generate``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    StoppingCriteriaList,
+)
+
+# Generation settings that change the decoding algorithm in ways hfpaged does not implement.
+_UNSUPPORTED_WHEN_SET = {
+    "constraints": "constrained beam search",
+    "force_words_ids": "constrained beam search",
+    "penalty_alpha": "contrastive search",
+    "dola_layers": "DoLa decoding",
+    "prompt_lookup_num_tokens": "prompt-lookup (assisted) decoding",
+    "assistant_early_exit": "self-speculative decoding",
+    "token_healing": "token healing",
+}
+_UNSUPPORTED_TRUE = {
+    "output_scores": "use return_logprobs=True instead",
+    "output_logits": "use return_logprobs=True instead",
+    "output_attentions": "attentions are not returned by generate_many",
+    "output_hidden_states": "hidden states are not returned by generate_many",
+}
+
+# Warpers the batched sampler reproduces exactly (same order as transformers applies them).
+_BATCHED_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+
+@dataclass
+class ResolvedConfig:
+    """A GenerationConfig merged over the model's defaults, before per-prompt lengths."""
+
+    generation_config: GenerationConfig
+    has_default_max_length: bool
+    has_default_min_length: bool
+
+
+@dataclass
+class RequestParams:
+    """Everything the engine needs to decode one request."""
+
+    generation_config: GenerationConfig  # this request's copy (max_length/min_length set)
+    max_length: int  # prompt + generated tokens at most
+    eos_token_ids: frozenset[int]
+    do_sample: bool
+    temperature: float
+    top_k: int  # 0 = off
+    top_p: float  # 1.0 = off
+    min_p: float | None
+    seed: int
+    logits_processor: LogitsProcessorList | None  # per-request processors on the exact (row-wise) path
+    stopping_criteria: StoppingCriteriaList | None  # criteria beyond eos / max_length
+
+    @property
+    def needs_processors(self) -> bool:
+        return self.logits_processor is not None and len(self.logits_processor) > 0
+
+
+def resolve_generation_config(
+    model: Any, generation_config: GenerationConfig | None, gen_kwargs: dict[str, Any]
+) -> ResolvedConfig:
+    """Merge ``generation_config``/``gen_kwargs`` over ``model.generation_config`` as ``generate`` does."""
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise TypeError(f"generation_config must be a transformers.GenerationConfig, got {type(generation_config).__name__}")
+    has_default_max_length = (
+        gen_kwargs.get("max_length") is None
+        and (generation_config is None or generation_config.max_length is None)
+        and model.generation_config.max_length is None
+    )
+    has_default_min_length = (
+        gen_kwargs.get("min_length") is None
+        and (generation_config is None or generation_config.min_length is None)
+        and model.generation_config.min_length is None
+    )
+    config, unused = model._prepare_generation_config(generation_config, **gen_kwargs)
+    unused = {k: v for k, v in unused.items() if k not in ("output_attentions", "output_hidden_states")}
+    if unused:
+        raise ValueError(f"generate_many got unsupported arguments: {sorted(unused)}")
+    _check_supported(config)
+    try:
+        config.validate(strict=False)
+    except TypeError:  # older signature
+        config.validate()
+    model._prepare_special_tokens(config, kwargs_has_attention_mask=False, device="cpu", batch_size=1)
+    return ResolvedConfig(config, has_default_max_length, has_default_min_length)
+
+
+def _check_supported(config: GenerationConfig) -> None:
+    for name, what in _UNSUPPORTED_WHEN_SET.items():
+        value = getattr(config, name, None)
+        if value not in (None, False, 0):
+            raise ValueError(f"generate_many does not support {name}={value!r} ({what})")
+    for name, hint in _UNSUPPORTED_TRUE.items():
+        if getattr(config, name, None):
+            raise ValueError(f"generate_many does not support {name}=True ({hint})")
+    if config.guidance_scale is not None and config.guidance_scale != 1:
+        raise ValueError(f"generate_many does not support guidance_scale={config.guidance_scale} (classifier-free guidance)")
+    if config.num_beams is not None and config.num_beams > 1:
+        raise ValueError(f"generate_many does not support num_beams={config.num_beams} yet (beam search)")
+    if config.num_return_sequences is not None and config.num_return_sequences > 1:
+        raise ValueError(
+            f"generate_many does not support num_return_sequences={config.num_return_sequences} yet (parallel sampling)"
+        )
+    if config.do_sample:
+        if config.temperature is not None and config.temperature <= 0:
+            raise ValueError(
+                f"temperature must be > 0 when do_sample=True, got {config.temperature} "
+                "(for greedy decoding set do_sample=False)"
+            )
+        if config.top_p is not None and not 0.0 < config.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {config.top_p}")
+        if config.top_k is not None and (not isinstance(config.top_k, int) or config.top_k < 0):
+            raise ValueError(f"top_k must be a non-negative int, got {config.top_k!r}")
+        if config.min_p is not None and not 0.0 <= config.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {config.min_p}")
+    if config.max_new_tokens is not None and config.max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be > 0, got {config.max_new_tokens}")
+    if config.max_length is not None and config.max_length <= 0:
+        raise ValueError(f"max_length must be > 0, got {config.max_length}")
+
+
+def make_request_params(
+    model: Any,
+    resolved: ResolvedConfig,
+    prompt_token_ids: list[int],
+    *,
+    seed: int,
+    logits_processor: LogitsProcessorList | None = None,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    tokenizer: Any = None,
+) -> RequestParams:
+    """Per-prompt settings: lengths as ``generate`` computes them, and the processors it would build."""
+    config = copy.copy(resolved.generation_config)
+    prompt_len = len(prompt_token_ids)
+    config = model._prepare_generated_length(
+        generation_config=config,
+        has_default_max_length=resolved.has_default_max_length,
+        has_default_min_length=resolved.has_default_min_length,
+        model_input_name="input_ids",
+        input_ids_length=prompt_len,
+        inputs_tensor=None,
+    )
+    prompt_tensor = torch.tensor([prompt_token_ids], dtype=torch.long)
+    processors = model._get_logits_processor(
+        generation_config=config,
+        input_ids_seq_length=prompt_len,
+        encoder_input_ids=prompt_tensor,
+        prefix_allowed_tokens_fn=None,
+        logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
+        device="cpu",
+        model_kwargs={},
+    )
+    batched = len(processors) > 0 and config.do_sample and all(
+        type(p) in _BATCHED_WARPERS and getattr(p, "min_tokens_to_keep", 1) == 1 for p in processors
+    )
+    criteria = model._get_stopping_criteria(
+        generation_config=config,
+        stopping_criteria=stopping_criteria if stopping_criteria is not None else StoppingCriteriaList(),
+        tokenizer=tokenizer,
+    )
+    # eos and max_length are checked by the scheduler itself; keep only the others.
+    extra_criteria = StoppingCriteriaList(c for c in criteria if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria)))
+    eos = config._eos_token_tensor
+    eos_ids = frozenset(eos.tolist()) if eos is not None else frozenset()
+    return RequestParams(
+        generation_config=config,
+        max_length=config.max_length,
+        eos_token_ids=eos_ids,
+        do_sample=bool(config.do_sample),
+        temperature=float(config.temperature) if config.temperature is not None else 1.0,
+        top_k=int(config.top_k) if config.top_k is not None else 0,
+        top_p=float(config.top_p) if config.top_p is not None else 1.0,
+        min_p=float(config.min_p) if config.min_p is not None else None,
+        seed=seed,
+        logits_processor=None if batched or len(processors) == 0 else processors,
+        stopping_criteria=extra_criteria if len(extra_criteria) > 0 else None,
+    )

@@ -1,0 +1,67 @@
+"""Tiny random-weight models of every supported architecture, built from config (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+VOCAB = 96
+MAX_POS = 512
+
+# name -> (config class name, kwargs). initializer_range is raised so greedy continuations vary
+# (at default init tiny models repeat one token forever); Gemma2 stays varied only near 0.02.
+ARCHS: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3)),
+    "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8, initializer_range=0.3)),
+    "qwen2": (
+        "Qwen2Config",
+        dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
+             max_window_layers=1, initializer_range=0.3),
+    ),
+    "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16, initializer_range=0.3)),
+    "gemma2": (
+        "Gemma2Config",
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+             attn_logit_softcapping=1.5, final_logit_softcapping=30.0, query_pre_attn_scalar=16,
+             initializer_range=0.02),
+    ),
+    "phi3": ("Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, initializer_range=0.3)),
+    "gpt2": ("GPT2Config", dict(n_head=4, n_embd=64, n_layer=2, n_positions=MAX_POS, initializer_range=0.3)),
+    "opt": ("OPTConfig", dict(num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64, init_std=0.3)),
+    "gpt_neox": ("GPTNeoXConfig", dict(num_attention_heads=4, initializer_range=0.3)),
+}
+
+
+def make_config(arch: str, **overrides):
+    import transformers
+
+    cls_name, kwargs = ARCHS[arch]
+    cls = getattr(transformers, cls_name)
+    base = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2)
+    if arch != "gpt2":
+        base.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=MAX_POS)
+    base.update(kwargs)
+    base.update(overrides)
+    return cls(**base)
+
+
+def make_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    torch.manual_seed(seed)
+    config = make_config(arch, **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def random_prompts(lengths: list[int], seed: int = 0, low: int = 3) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(low, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def reference_generate(model, prompts: list[list[int]], **kwargs) -> list[list[int]]:
+    """Stock ``model.generate`` run on each prompt alone: the generated ids."""
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            seq = model.generate(torch.tensor([p], device=model.device), **kwargs)
+            out.append(seq[0, len(p):].tolist())
+    return out
