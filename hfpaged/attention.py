@@ -17,6 +17,10 @@ import torch
 ATTENTION_NAME = "hfpaged"
 
 
+class UnsupportedModelError(TypeError):
+    """The model's attention cannot be paged by hfpaged."""
+
+
 def store_kv_torch(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -168,7 +172,7 @@ def get_forward_context() -> ForwardContext | None:
 
 def _discover(context: ForwardContext, module, query, key, value, sliding_window, softcap):
     if getattr(module, "_hfpaged_discovered", False):
-        raise TypeError(
+        raise UnsupportedModelError(
             f"attention module {type(module).__name__} ran twice in one forward; "
             "hfpaged needs one KV cache per attention call"
         )

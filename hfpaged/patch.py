@@ -12,7 +12,15 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_utils import AttentionInterface
 
-from .attention import ATTENTION_NAME, ForwardContext, LayerRecord, paged_attention_forward, paged_attention_torch, store_kv_torch
+from .attention import (
+    ATTENTION_NAME,
+    ForwardContext,
+    LayerRecord,
+    UnsupportedModelError,
+    paged_attention_forward,
+    paged_attention_torch,
+    store_kv_torch,
+)
 from .block_pool import BlockPool
 from .config import EngineConfig
 
@@ -113,10 +121,10 @@ def _discover_layers(model: torch.nn.Module, state_configs: list[PretrainedConfi
     try:
         with torch.inference_mode(), paged_mode(probe, context):
             model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-    except TypeError:
+    except UnsupportedModelError:
         raise
     except Exception as exc:  # the model rejected the packed call: not usable with hfpaged
-        raise TypeError(
+        raise UnsupportedModelError(
             f"{name} failed a packed forward through the hfpaged attention implementation "
             f"({type(exc).__name__}: {exc}); its attention is not reachable through transformers' AttentionInterface"
         ) from exc
@@ -124,7 +132,7 @@ def _discover_layers(model: torch.nn.Module, state_configs: list[PretrainedConfi
         for record in context.records:
             record.module.__dict__.pop("_hfpaged_discovered", None)
     if not context.records:
-        raise TypeError(
+        raise UnsupportedModelError(
             f"{name} does not route attention through transformers' AttentionInterface "
             "(config._attn_implementation is ignored by its attention code), so hfpaged cannot page its KV cache. "
             "Falcon, GPT-J and Bloom are known to be unsupported."

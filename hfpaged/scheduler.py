@@ -27,11 +27,10 @@ class ScheduledRequest:
     request: Request
     start: int  # num_computed_tokens when scheduled: position of the first token this step
     num_tokens: int  # tokens computed this step
+    samples: bool = False  # this step brings the request up to date: its last logits are sampled
 
-    @property
-    def samples(self) -> bool:
-        """True when this step brings the request up to date, so its last logits are sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -121,11 +120,13 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self._try_reserve(request, request.num_computed_tokens + num_new):
+            while True:
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                if self._try_reserve(request, request.num_computed_tokens + num_new):
+                    break
                 victim = self.running[-1]
                 undone = scheduled.pop(victim.request_id, None)
-                if undone is not None:
+                if undone is not None:  # give back what the victim was granted this step
                     budget += undone.num_tokens
                 self._preempt(victim)
                 out.preempted.append(victim)

@@ -1,0 +1,261 @@
+"""patch / unpatch / Engine API, bad input, and recovery after failures."""
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+import hfpaged
+from hfpaged.attention import ATTENTION_NAME
+from models import VOCAB, make_model, random_prompts, reference_generate
+
+
+@pytest.fixture
+def model():
+    m = make_model("llama")
+    hfpaged.patch(m, num_blocks=40, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    return m
+
+
+def all_free(m):
+    st = hfpaged.stats(m)
+    return st["num_free_blocks"] == st["num_blocks"]
+
+
+# --- patch / unpatch -----------------------------------------------------------------------------
+
+
+def test_stock_forward_and_generate_unchanged_after_patch_and_unpatch():
+    m = make_model("mistral")
+    prompts = random_prompts([5, 12], seed=2)
+    batch = torch.tensor([[0] * 7 + prompts[0], prompts[1]])  # left padding
+    mask = torch.tensor([[0] * 7 + [1] * 5, [1] * 12])
+    with torch.no_grad():
+        logits_before = m(batch, attention_mask=mask).logits
+    gen_before = m.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    attn_before = m.config._attn_implementation
+
+    hfpaged.patch(m, num_blocks=32, block_size=4)
+    m.generate_many(prompts, max_new_tokens=4)
+    assert m.config._attn_implementation == attn_before
+    with torch.no_grad():
+        assert torch.equal(m(batch, attention_mask=mask).logits, logits_before)
+    assert torch.equal(m.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False), gen_before)
+
+    hfpaged.unpatch(m)
+    assert not hasattr(m, "generate_many") and not hasattr(m, "_hfpaged")
+    assert not any("_hfpaged_layer_idx" in mod.__dict__ for mod in m.modules())
+    assert m.config._attn_implementation == attn_before
+    assert torch.equal(m.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False), gen_before)
+    with pytest.raises(ValueError, match="not patched"):
+        hfpaged.stats(m)
+
+
+def test_patching_twice_is_safe_and_new_settings_repatch(model):
+    state = model._hfpaged
+    assert hfpaged.patch(model, num_blocks=40, block_size=4, max_num_seqs=4, max_num_batched_tokens=32) is model
+    assert model._hfpaged is state
+    hfpaged.patch(model, num_blocks=20, block_size=8)
+    assert hfpaged.stats(model)["num_blocks"] == 20 and hfpaged.stats(model)["block_size"] == 8
+    prompts = random_prompts([6, 9], seed=3)
+    assert [r.token_ids for r in model.generate_many(prompts, max_new_tokens=6, do_sample=False)] == (
+        reference_generate(model, prompts, max_new_tokens=6, do_sample=False)
+    )
+
+
+def test_one_pool_shared_by_all_layers_with_exact_num_blocks(model):
+    state = model._hfpaged
+    assert len(state.kv_caches) == model.config.num_hidden_layers
+    for k, v in state.kv_caches:
+        assert k.shape == (40, 4, 2, 16) and v.shape == (40, 4, 2, 16)
+    assert hfpaged.stats(model)["num_blocks"] == 40
+
+
+def test_default_pool_size_on_cpu_is_bounded():
+    m = make_model("llama")
+    hfpaged.patch(m, max_num_seqs=2)
+    st = hfpaged.stats(m)
+    assert st["num_blocks"] == 2 * (512 // 16)  # max_num_seqs x blocks for max_position_embeddings
+
+
+@pytest.mark.parametrize(
+    "name,cfg",
+    [
+        ("FalconConfig", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=VOCAB)),
+        ("GPTJConfig", dict(n_embd=64, n_head=4, n_layer=2, vocab_size=VOCAB, rotary_dim=8, bos_token_id=1, eos_token_id=2)),
+        ("BloomConfig", dict(hidden_size=64, n_head=4, n_layer=2, vocab_size=VOCAB)),
+    ],
+)
+def test_models_outside_the_attention_interface_are_refused(name, cfg):
+    m = AutoModelForCausalLM.from_config(getattr(transformers, name)(**cfg)).eval()
+    cls = type(m).__name__
+    with pytest.raises(TypeError, match=cls):
+        hfpaged.patch(m, num_blocks=8)
+    assert not hasattr(m, "generate_many")
+
+
+def test_non_causal_models_are_refused():
+    t5 = transformers.T5ForConditionalGeneration(
+        transformers.T5Config(d_model=32, num_layers=1, num_heads=2, d_ff=32, vocab_size=50, d_kv=16)
+    )
+    with pytest.raises(ValueError, match="T5ForConditionalGeneration is an encoder-decoder"):
+        hfpaged.patch(t5)
+    with pytest.raises(TypeError, match="PreTrainedModel, got Linear"):
+        hfpaged.patch(torch.nn.Linear(2, 2))
+    base = transformers.LlamaModel(make_model("llama").config)
+    with pytest.raises(TypeError, match="LlamaModel"):
+        hfpaged.patch(base)
+
+
+def test_unknown_patch_option_and_bad_config_values():
+    m = make_model("llama")
+    with pytest.raises(TypeError, match="unknown options"):
+        hfpaged.patch(m, blok_size=4)
+    with pytest.raises(ValueError, match="block_size must be a positive int"):
+        hfpaged.patch(m, block_size=0)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        hfpaged.patch(m, gpu_memory_utilization=1.5)
+    assert not hasattr(m, "_hfpaged")
+
+
+# --- generate_many inputs -------------------------------------------------------------------------
+
+
+def test_empty_prompt_list_returns_empty(model):
+    assert model.generate_many([]) == []
+
+
+@pytest.mark.parametrize(
+    "prompts,kwargs,message",
+    [
+        ([[5, 6], []], {}, "prompt 1 is empty"),
+        ([[5], "hello"], {}, "prompt 1 is a string but no tokenizer"),
+        ([[5, VOCAB + 3]], {}, rf"prompt 0 has token id {VOCAB + 3} outside the vocabulary \[0, {VOCAB}\)"),
+        ([[5, -1]], {}, "prompt 0 has token id -1 outside"),
+        ([[4], [5] * 600], {}, "prompt 1 has 600 tokens, more than the model's maximum of 512"),
+        ([[4] * 10], {"max_new_tokens": 200}, r"prompt 0 needs up to 209 KV slots \(53 blocks of 4\) but the pool holds only 40"),
+        ([[4]], {"do_sample": True, "temperature": -1.0}, "temperature must be > 0"),
+        ([[4]], {"do_sample": True, "top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ([[4]], {"do_sample": True, "top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ([[4]], {"do_sample": True, "top_k": -2}, "top_k must be a non-negative int"),
+        ([[4]], {"max_new_tokens": 0}, "max_new_tokens. must be"),
+        ([[4]], {"penalty_alpha": 0.5, "top_k": 4}, "contrastive search"),
+        ([[4]], {"not_a_setting": 1}, "unsupported arguments"),
+        ("hello", {}, "list of prompts"),
+        ([[4, 5.5]], {}, "prompt 0 must be a string or a list of int"),
+    ],
+)
+def test_bad_input_raises_before_anything_runs(model, prompts, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        model.generate_many(prompts, **kwargs)
+    assert all_free(model)
+    prompts_ok = random_prompts([3, 8], seed=9)
+    assert [r.token_ids for r in model.generate_many(prompts_ok, max_new_tokens=5, do_sample=False)] == (
+        reference_generate(model, prompts_ok, max_new_tokens=5, do_sample=False)
+    )
+
+
+@pytest.mark.parametrize("exc_type", [RuntimeError, KeyboardInterrupt])
+def test_failure_mid_run_frees_every_block_and_the_next_call_is_exact(model, monkeypatch, exc_type):
+    prompts = random_prompts([3, 17, 30, 8, 12], seed=11)
+    expected = reference_generate(model, prompts, max_new_tokens=10, do_sample=False)
+    runner = hfpaged.Engine(model).runner
+    real_execute = runner.execute
+    calls = {"n": 0}
+
+    def flaky(out):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise exc_type("injected failure")
+        return real_execute(out)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+    with pytest.raises(exc_type, match="injected failure"):
+        model.generate_many(prompts, max_new_tokens=10, do_sample=False)
+    assert all_free(model)
+    assert model.config._attn_implementation != ATTENTION_NAME
+    monkeypatch.setattr(runner, "execute", real_execute)
+    assert [r.token_ids for r in model.generate_many(prompts, max_new_tokens=10, do_sample=False)] == expected
+    assert all_free(model)
+
+
+def test_failure_inside_the_model_forward_restores_attention(model, monkeypatch):
+    layer = model.model.layers[1].mlp
+
+    def boom(*a, **k):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(layer, "forward", boom)
+    with pytest.raises(RuntimeError, match="simulated"):
+        model.generate_many(random_prompts([4, 5], seed=1), max_new_tokens=3)
+    assert all_free(model)
+    monkeypatch.undo()
+    with torch.no_grad():
+        model(torch.tensor([[3, 4, 5]]))  # ordinary forward works: attention is back to the original
+
+
+# --- results and the Engine loop ------------------------------------------------------------------
+
+
+def test_results_come_back_in_input_order_with_text_from_a_tokenizer(model):
+    class CharTokenizer:
+        def __call__(self, text):
+            return {"input_ids": [3 + (ord(c) % 90) for c in text]}
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(48 + (i % 40)) for i in ids)
+
+    tok = CharTokenizer()
+    texts = ["hello there", "a", "what is the capital of France?"]
+    results = model.generate_many(texts, tokenizer=tok, max_new_tokens=6, do_sample=False)
+    expected = reference_generate(model, [tok(t)["input_ids"] for t in texts], max_new_tokens=6, do_sample=False)
+    assert [r.token_ids for r in results] == expected
+    assert [r.prompt_token_ids for r in results] == [tok(t)["input_ids"] for t in texts]
+    assert [r.text for r in results] == [tok.decode(e) for e in expected]
+    # a tokenizer given to patch() is used when the call has none
+    hfpaged.patch(model, num_blocks=40, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, tokenizer=tok)
+    assert model.generate_many(texts[:1], max_new_tokens=6, do_sample=False)[0].text == tok.decode(expected[0])
+    assert hfpaged.generate_many(model, texts[:1], max_new_tokens=6, do_sample=False)[0].token_ids == expected[0]
+
+
+def test_engine_add_step_abort(model):
+    engine = hfpaged.Engine(model)
+    prompts = random_prompts([4, 9, 6], seed=12)
+    expected = reference_generate(model, prompts, max_new_tokens=5, do_sample=False)
+    ids = [engine.add_request(p, max_new_tokens=5, do_sample=False) for p in prompts]
+    ids.append(engine.add_request(random_prompts([7], seed=13)[0], request_id="victim", max_new_tokens=50))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([5, 6], request_id="victim")
+    gained = {i: [] for i in ids}
+    finished = {}
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            gained[out.request_id].extend(out.new_token_ids)
+            assert out.token_ids == gained[out.request_id]
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+        steps += 1
+        if steps == 3:
+            engine.abort("victim")
+            assert "victim" not in engine.requests
+    assert [gained[i] for i in ids[:3]] == expected
+    assert finished == {ids[0]: "length", ids[1]: "length", ids[2]: "length"}
+    assert all_free(model)
+
+
+def test_sampling_runs_respects_top_k_and_is_reproducible_with_a_seed(model):
+    prompts = random_prompts([3, 10, 6], seed=14)
+    a = model.generate_many(prompts, max_new_tokens=12, do_sample=True, top_k=3, temperature=0.8, seed=7)
+    b = model.generate_many(prompts, max_new_tokens=12, do_sample=True, top_k=3, temperature=0.8, seed=7)
+    c = model.generate_many(prompts, max_new_tokens=12, do_sample=True, top_k=3, temperature=0.8, seed=8)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert [r.token_ids for r in a] != [r.token_ids for r in c]
+    # every sampled token is among the 3 most likely under the model at that point
+    with torch.no_grad():
+        for p, r in zip(prompts, a):
+            ids = torch.tensor([p + r.token_ids])
+            logits = model(ids).logits[0, len(p) - 1 : -1]
+            top3 = logits.topk(3, dim=-1).indices
+            assert all(t in top3[i].tolist() for i, t in enumerate(r.token_ids))
+    assert all_free(model)
