@@ -1,32 +1,28 @@
-"""Turns a SchedulerOutput into one packed forward of the unmodified model and returns last-token logits."""
+"""Turns a SchedulerOutput into one packed forward of the unmodified model and returns last-token logits.
+
+Eager steps (any prefill) run the HF forward directly. Pure decode steps on CUDA replay a captured
+CUDA graph of the same forward (see cuda_graphs.py). Either way the step's inputs cross to the
+device in ONE copy (step_inputs.py) and nothing inside the forward synchronizes with the host.
+"""
 
 from __future__ import annotations
 
 import inspect
+import math
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from .attention import ATTENTION_NAME, AttentionMetadata, ForwardContext, set_forward_context
+from .attention import ATTENTION_NAME, ForwardContext, set_forward_context
+from .cuda_graphs import DecodeGraphs
 from .request import Request
 from .scheduler import SchedulerOutput
+from .step_inputs import DeviceStep, HostStep, build_host_step, device_views
 
 if TYPE_CHECKING:
     from .patch import PatchState
-
-
-@dataclass
-class StepBatch:
-    """One packed step: ``input_ids``/``position_ids`` are ``[1, T]``; logits are kept at ``logits_indices``."""
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    metadata: AttentionMetadata
-    logits_indices: torch.Tensor
-    sample_requests: list[Request]
 
 
 @contextmanager
@@ -58,71 +54,95 @@ class ModelRunner:
         self.block_size = state.config.block_size
         self.supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.store_fn, self.attention_fn = state.attention_functions()
-
-    def prepare_inputs(self, out: SchedulerOutput) -> StepBatch:
-        """Build the packed batch on the host (numpy) and copy it to the device."""
-        items = out.scheduled
-        num_reqs = len(items)
-        q_lens = np.fromiter((s.num_tokens for s in items), dtype=np.int64, count=num_reqs)
-        starts = np.fromiter((s.start for s in items), dtype=np.int64, count=num_reqs)
-        cu_seqlens_q = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=cu_seqlens_q[1:])
-        seq_lens = starts + q_lens
-        max_blocks = max(len(s.request.block_ids) for s in items)
-        block_tables = np.full((num_reqs, max_blocks), -1, dtype=np.int64)
-        token_chunks = []
-        for i, s in enumerate(items):
-            blocks = s.request.block_ids
-            block_tables[i, : len(blocks)] = blocks
-            token_chunks.append(s.request.all_token_ids[s.start : s.start + s.num_tokens])
-        input_ids = np.fromiter((t for chunk in token_chunks for t in chunk), dtype=np.int64, count=int(cu_seqlens_q[-1]))
-        # position of every packed token, and the sequence it belongs to
-        seq_of_token = np.repeat(np.arange(num_reqs), q_lens)
-        positions = np.arange(int(cu_seqlens_q[-1])) - cu_seqlens_q[seq_of_token] + starts[seq_of_token]
-        slot_mapping = block_tables[seq_of_token, positions // self.block_size] * self.block_size + positions % self.block_size
-
-        sample_rows = [i for i, s in enumerate(items) if s.samples]
-        logits_indices = cu_seqlens_q[1:][sample_rows] - 1
-
-        device = self.device
-        metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
-            block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(device),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-            cu_seqlens_q=torch.from_numpy(cu_seqlens_q.astype(np.int32)).to(device),
-            max_seqlen_q=int(q_lens.max()),
-            max_seqlen_k=int(seq_lens.max()),
+        single_cuda_device = self.device.type == "cuda" and all(layer.device == self.device for layer in state.layers)
+        self.use_graphs = (
+            single_cuda_device
+            and state.use_triton
+            and not state.config.enforce_eager
+            and self.supports_logits_to_keep
         )
-        return StepBatch(
-            input_ids=torch.from_numpy(input_ids).to(device)[None],
-            position_ids=torch.from_numpy(positions).to(device)[None],
-            metadata=metadata,
-            logits_indices=torch.from_numpy(logits_indices).to(device),
-            sample_requests=[items[i].request for i in sample_rows],
-        )
+        max_len = state.max_model_len or state.pool.num_blocks * self.block_size
+        self.graph_width = min(math.ceil(max_len / self.block_size), state.pool.num_blocks)
+        self.graphs: DecodeGraphs | None = None
+        self._pinned: torch.Tensor | None = None
+        self.num_graph_steps = 0
+        self.num_eager_steps = 0
 
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
-        """Run one step; returns float32 logits ``[num_sampled, vocab]`` and the requests they belong to."""
-        batch = self.prepare_inputs(out)
+    # --- host -> device ---------------------------------------------------------------------------
+
+    def _to_device(self, packed: np.ndarray) -> torch.Tensor:
+        """The packed array as a tensor the device can read (one async copy through pinned memory)."""
+        host = torch.from_numpy(packed)
+        if self.device.type != "cuda":
+            return host
+        if self._pinned is None or self._pinned.numel() < packed.size:
+            self._pinned = torch.empty(max(packed.size, 1 << 16), dtype=torch.int32, pin_memory=True)
+        # Safe to overwrite: every step ends with a device->host copy of its tokens, after this copy.
+        staged = self._pinned[: packed.size]
+        staged.copy_(host)
+        return staged
+
+    # --- forward ----------------------------------------------------------------------------------
+
+    def forward(self, step: DeviceStep, logits_indices: torch.Tensor | int | None = None) -> torch.Tensor:
+        """The unmodified model over a packed step with paged attention; logits ``[n, vocab]``."""
         context = ForwardContext(
             "paged",
             kv_caches=self.state.kv_caches,
-            metadata=batch.metadata,
+            metadata=step.metadata,
             store_fn=self.store_fn,
             attention_fn=self.attention_fn,
         )
         kwargs = {}
+        keep = step.logits_indices if logits_indices is None else logits_indices
         if self.supports_logits_to_keep:
-            kwargs["logits_to_keep"] = batch.logits_indices
+            kwargs["logits_to_keep"] = keep
         with paged_mode(self.state, context):
             output = self.model(
-                input_ids=batch.input_ids,
-                position_ids=batch.position_ids,
+                input_ids=step.input_ids,
+                position_ids=step.position_ids,
                 use_cache=False,
                 **kwargs,
             )
         logits = output.logits[0]
         if not self.supports_logits_to_keep:
-            logits = logits.index_select(0, batch.logits_indices.to(logits.device))
-        return logits.float(), batch.sample_requests
+            logits = logits.index_select(0, keep.to(logits.device)) if isinstance(keep, torch.Tensor) else logits
+        return logits
+
+    def _graph_forward(self, step: DeviceStep) -> torch.Tensor:
+        return self.forward(step, logits_indices=0)  # every token of a decode batch is sampled
+
+    def capture_graphs(self) -> None:
+        """Capture the decode CUDA graphs now (otherwise done at the first decode step)."""
+        if self.use_graphs and self.graphs is None:
+            graphs = DecodeGraphs(self.state, self._graph_forward, self.graph_width, self.graph_width * self.block_size)
+            graphs.capture()
+            self.graphs = graphs
+
+    def _graph_bucket(self, out: SchedulerOutput) -> int | None:
+        if not self.use_graphs:
+            return None
+        items = out.scheduled
+        if not all(s.num_tokens == 1 and s.samples for s in items):
+            return None
+        if any(len(s.request.block_ids) > self.graph_width for s in items):
+            return None
+        self.capture_graphs()
+        return self.graphs.bucket_for(len(items))
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
+        """Run one step; returns logits ``[num_sampled, vocab]`` and the requests they belong to."""
+        bucket = self._graph_bucket(out)
+        if bucket is not None:
+            host = build_host_step(out, self.block_size, pad_tokens=bucket, width=self.graph_width)
+            logits = self.graphs.replay(self._to_device(host.packed), bucket, host.num_sampled)
+            self.num_graph_steps += 1
+            return logits, host.sample_requests
+        host: HostStep = build_host_step(out, self.block_size)
+        buffer = self._to_device(host.packed).to(self.device, non_blocking=True)
+        step = device_views(
+            buffer, host.num_tokens, host.num_reqs, host.width, host.max_seqlen_q, host.max_seqlen_k, host.num_sampled
+        )
+        self.num_eager_steps += 1
+        return self.forward(step), host.sample_requests

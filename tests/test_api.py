@@ -132,7 +132,7 @@ def test_empty_prompt_list_returns_empty(model):
         ([[5], "hello"], {}, "prompt 1 is a string but no tokenizer"),
         ([[5, VOCAB + 3]], {}, rf"prompt 0 has token id {VOCAB + 3} outside the vocabulary \[0, {VOCAB}\)"),
         ([[5, -1]], {}, "prompt 0 has token id -1 outside"),
-        ([[4], [5] * 600], {}, "prompt 1 has 600 tokens, more than the model's maximum of 512"),
+        ([[4], [5] * 600], {"max_new_tokens": 5}, "prompt 1 has 600 tokens, more than the model's maximum of 512"),
         ([[4] * 10], {"max_new_tokens": 200}, r"prompt 0 needs up to 209 KV slots \(53 blocks of 4\) but the pool holds only 40"),
         ([[4]], {"do_sample": True, "temperature": -1.0}, "temperature must be > 0"),
         ([[4]], {"do_sample": True, "top_p": 1.5}, r"top_p must be in \(0, 1\]"),

@@ -1,0 +1,93 @@
+"""CUDA graphs of the patched forward for decode steps, one per batch-size bucket.
+
+Each graph replays the whole model body plus the LM head for ``bucket`` one-token requests, reading
+its inputs from one static int32 buffer (the packed layout of ``step_inputs``) and writing logits
+into a static output. Graphs are captured largest first into one shared memory pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+import torch
+
+from .step_inputs import DeviceStep, device_views, packed_size
+
+if TYPE_CHECKING:
+    from .patch import PatchState
+
+logger = logging.getLogger("hfpaged")
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to max_num_seqs (and max_num_seqs itself)."""
+    buckets = [b for b in (1, 2, 4) if b < max_num_seqs]
+    buckets += list(range(8, max_num_seqs + 1, 8))
+    if not buckets or buckets[-1] != max_num_seqs:
+        buckets.append(max_num_seqs)
+    return sorted(set(buckets))
+
+
+class DecodeGraphs:
+    """Captured decode forwards keyed by batch bucket."""
+
+    def __init__(self, state: "PatchState", forward: Callable[[DeviceStep], torch.Tensor], width: int, max_seqlen_k: int):
+        self.state = state
+        self.forward = forward
+        self.width = width  # block-table columns every graph reads
+        self.max_seqlen_k = max_seqlen_k  # the attention grid hint baked into the graphs
+        self.buckets = batch_buckets(state.config.max_num_seqs)
+        self.device = state.input_device
+        largest = self.buckets[-1]
+        self.static = torch.zeros(packed_size(largest, largest, width), dtype=torch.int32, device=self.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def bucket_for(self, num_reqs: int) -> int | None:
+        for bucket in self.buckets:
+            if bucket >= num_reqs:
+                return bucket
+        return None
+
+    def _dummy_inputs(self, bucket: int) -> np.ndarray:
+        packed = np.zeros(packed_size(bucket, bucket, self.width), dtype=np.int32)
+        o = 2 * bucket
+        packed[o : o + bucket] = -1  # slot_mapping: store nothing
+        o += bucket
+        packed[o : o + bucket] = np.arange(bucket)  # logits_indices
+        o += bucket
+        packed[o : o + bucket] = 1  # seq_lens
+        o += bucket
+        packed[o : o + bucket + 1] = np.arange(bucket + 1)  # cu_seqlens_q
+        return packed
+
+    def _views(self, bucket: int) -> DeviceStep:
+        return device_views(self.static, bucket, bucket, self.width, 1, self.max_seqlen_k, bucket)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket (largest first, one shared pool)."""
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for bucket in reversed(self.buckets):
+            dummy = torch.from_numpy(self._dummy_inputs(bucket))
+            self.static[: dummy.numel()].copy_(dummy)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
+                    self.forward(self._views(bucket))
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.outputs[bucket] = self.forward(self._views(bucket))
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize(self.device)
+        logger.info("hfpaged: captured %d decode CUDA graphs (batch %s)", len(self.graphs), self.buckets)
+
+    def replay(self, packed_host: torch.Tensor, bucket: int, num_sampled: int) -> torch.Tensor:
+        """Copy the packed inputs into the static buffer, replay, return logits ``[num_sampled, vocab]``."""
+        self.static[: packed_host.numel()].copy_(packed_host, non_blocking=True)
+        self.graphs[bucket].replay()
+        return self.outputs[bucket][:num_sampled]
