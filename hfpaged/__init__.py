@@ -9,15 +9,19 @@ from .config import EngineConfig
 from .engine import Engine, generate_many
 from .outputs import GenerationResult, RequestOutput
 from .patch import patch, stats, unpatch
+from .streaming import StreamEvent, astream_many, stream_many
 
 __all__ = [
     "Engine",
     "EngineConfig",
     "GenerationResult",
     "RequestOutput",
+    "StreamEvent",
+    "astream_many",
     "generate_many",
     "patch",
     "stats",
+    "stream_many",
     "unpatch",
 ]
 __version__ = "0.1.0"

@@ -26,6 +26,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[int | None] = [None] * num_blocks
+        self.block_keys: list[object] = [None] * num_blocks  # what was hashed, to rule out collisions
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
 
@@ -78,21 +79,26 @@ class BlockPool:
 
     # --- prefix cache ---------------------------------------------------------------------------
 
-    def lookup(self, block_hash: int) -> int | None:
-        """The block holding the full block with this hash, or None."""
-        return self._cached.get(block_hash)
+    def lookup(self, block_hash: int, key: object = None) -> int | None:
+        """The block holding the full block with this hash (and, if given, this exact key), or None."""
+        block_id = self._cached.get(block_hash)
+        if block_id is not None and key is not None and self.block_keys[block_id] != key:
+            return None  # a hash collision: not the same content
+        return block_id
 
-    def set_hash(self, block_id: int, block_hash: int) -> None:
+    def set_hash(self, block_id: int, block_hash: int, key: object = None) -> None:
         """Record that ``block_id`` now holds the full block with ``block_hash`` (first writer wins)."""
         if self.block_hashes[block_id] is not None or block_hash in self._cached:
             return
         self.block_hashes[block_id] = block_hash
+        self.block_keys[block_id] = key
         self._cached[block_hash] = block_id
 
     def _drop_hash(self, block_id: int) -> None:
         block_hash = self.block_hashes[block_id]
         if block_hash is not None:
             self.block_hashes[block_id] = None
+            self.block_keys[block_id] = None
             if self._cached.get(block_hash) == block_id:
                 del self._cached[block_hash]
 
@@ -100,8 +106,8 @@ class BlockPool:
         """Forget every cached hash (blocks in use keep their contents)."""
         for block_id in range(self.num_blocks):
             self.block_hashes[block_id] = None
+            self.block_keys[block_id] = None
         self._cached.clear()
-        # Re-establish the queue invariant: with no hashes every free block is "uncached".
 
     def all_free(self) -> bool:
         return len(self._free) == self.num_blocks

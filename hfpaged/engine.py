@@ -12,13 +12,11 @@ from transformers import GenerationConfig, PreTrainedModel
 from .outputs import GenerationResult, RequestOutput
 from .params import ResolvedConfig, make_request_params, resolve_generation_config
 from .patch import PatchState, get_state, patch
+from .prompt_settings import CallOptions, PromptSpec, expand_prompts, split_call_options
 from .request import Request, RequestStatus
 from .runner import ModelRunner
 from .sampling import Sampler
 from .scheduler import Scheduler
-
-# generate_many arguments that are not GenerationConfig fields
-_CALL_ONLY = ("seed", "logits_processor", "stopping_criteria")
 
 _request_counter = itertools.count()
 
@@ -56,9 +54,11 @@ class Engine:
         if self.state.runner is None:
             self.state.runner = ModelRunner(model, self.state)
         self.runner: ModelRunner = self.state.runner
-        self.scheduler = Scheduler(self.state.config, self.state.pool)
+        cpu_pool = self.state.swap.pool if self.state.swap is not None else None
+        self.scheduler = Scheduler(self.state.config, self.state.pool, self.state.counters, cpu_pool)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
+        self.stop_string_cache: dict = {}  # StopStringCriteria shared by requests with the same stop strings
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -88,27 +88,28 @@ class Engine:
         self,
         prompt: Any,
         resolved: ResolvedConfig,
+        options: CallOptions,
         *,
-        index: int,
+        index: int | None,
         request_id: str | None = None,
-        seed: int | None = None,
-        logits_processor: Any = None,
-        stopping_criteria: Any = None,
     ) -> Request:
         """Tokenize, resolve and validate one prompt (nothing is queued)."""
         token_ids = _to_token_ids(prompt, index, self.tokenizer)
         if not token_ids:
             raise ValueError(f"prompt {index} is empty")
+        seed = options.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         params = make_request_params(
             self.model,
             resolved,
             token_ids,
+            options,
             seed=seed,
-            logits_processor=logits_processor,
-            stopping_criteria=stopping_criteria,
+            index=index,
+            vocab_size=self.state.vocab_size,
             tokenizer=self.tokenizer,
+            stop_string_cache=self.stop_string_cache,
         )
         self.validate_prompt(token_ids, index, params.max_length)
         if request_id is None:
@@ -116,6 +117,29 @@ class Engine:
         elif request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         return Request(request_id, token_ids, params, index=index)
+
+    def make_requests(
+        self,
+        prompts: Sequence[Any],
+        generation_config: GenerationConfig | list[GenerationConfig | None] | None,
+        kwargs: dict[str, Any],
+    ) -> list[Request]:
+        """One request per prompt with its own settings (see ``prompt_settings``); nothing is queued."""
+        specs = expand_prompts(list(prompts), generation_config, kwargs)
+        resolved_by_config: dict[int, ResolvedConfig] = {}
+        requests = []
+        for index, spec in enumerate(specs):
+            requests.append(self.make_request(spec.prompt, self._resolve(spec, resolved_by_config), spec.options, index=index))
+        return requests
+
+    def _resolve(self, spec: PromptSpec, cache: dict[int, ResolvedConfig]) -> ResolvedConfig:
+        """Resolve once per distinct config among prompts that only use the call's keyword arguments."""
+        if spec.has_own_settings:
+            return resolve_generation_config(self.model, spec.generation_config, dict(spec.generate_kwargs))
+        key = id(spec.generation_config)
+        if key not in cache:
+            cache[key] = resolve_generation_config(self.model, spec.generation_config, dict(spec.generate_kwargs))
+        return cache[key]
 
     def enqueue(self, request: Request) -> str:
         self.requests[request.request_id] = request
@@ -130,9 +154,11 @@ class Engine:
         **kwargs: Any,
     ) -> str:
         """Queue one prompt (string or token ids); ``kwargs`` are generate-style settings. Returns its id."""
-        call = {k: kwargs.pop(k) for k in _CALL_ONLY if k in kwargs}
-        resolved = resolve_generation_config(self.model, generation_config, kwargs)
-        request = self.make_request(prompt, resolved, index=None, request_id=request_id, **call)
+        if kwargs.get("streamer") is not None:
+            raise ValueError("streamer= is for generate_many with one prompt; read Engine.step() outputs instead")
+        generate_kwargs, options = split_call_options({k: v for k, v in kwargs.items() if k != "streamer"})
+        resolved = resolve_generation_config(self.model, generation_config, generate_kwargs)
+        request = self.make_request(prompt, resolved, CallOptions(**options), index=None, request_id=request_id)
         return self.enqueue(request)
 
     def abort(self, request_id: str) -> None:
@@ -153,14 +179,18 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one packed forward, sample, update. Returns what each advanced request gained."""
         out = self.scheduler.schedule()
-        self.state.counters["num_preemptions"] += len(out.preempted)
         if out.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress: no running request and the next one does not fit")
             return []
         logits, sample_requests = self.runner.execute(out)
-        tokens = self.sampler(logits, sample_requests) if sample_requests else []
-        sampled = {request.request_id: token for request, token in zip(sample_requests, tokens)}
+        sampled = {}
+        if sample_requests:
+            picked = self.sampler(logits, sample_requests)
+            for request, token, logprob, top in zip(sample_requests, picked.token_ids, picked.logprobs, picked.top_logprobs):
+                sampled[request.request_id] = token
+                if logprob is not None:
+                    request.record_logprob(logprob, top)
         advanced = self.scheduler.update(out, sampled)
         outputs = []
         for request in advanced:
@@ -173,15 +203,19 @@ class Engine:
                     request_id=request.request_id,
                     index=request.index,
                     new_token_ids=[request.all_token_ids[-1]],
-                    token_ids=request.output_token_ids,
                     finished=finished,
                     finish_reason=request.finish_reason,
+                    new_logprobs=None if request.logprobs is None else request.logprobs[-1:],
+                    all_token_ids=request.all_token_ids,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_tokens=request.num_tokens,
                 )
             )
         return outputs
 
 
-def _result(request: Request, tokenizer: Any) -> GenerationResult:
+def build_result(request: Request, tokenizer: Any) -> GenerationResult:
+    """The GenerationResult of a finished (or aborted) request."""
     token_ids = request.output_token_ids
     text = tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else None
     metrics = {}
@@ -198,41 +232,50 @@ def _result(request: Request, tokenizer: Any) -> GenerationResult:
         text=text,
         finish_reason=request.finish_reason or "length",
         metrics=metrics,
+        logprobs=None if request.logprobs is None else list(request.logprobs),
+        top_logprobs=None if request.top_logprobs is None else list(request.top_logprobs),
     )
+
+
+def check_prompt_list(prompts: Any) -> list[Any]:
+    """``prompts`` as a list, refusing a single prompt passed where a list is expected."""
+    if isinstance(prompts, (str, torch.Tensor, dict)) or (prompts and isinstance(prompts[0], int)):
+        raise ValueError("prompts must be a list of prompts (strings, token-id lists or dicts), not a single prompt")
+    return list(prompts)
 
 
 def generate_many(
     model: PreTrainedModel,
     prompts: Sequence[Any],
-    generation_config: GenerationConfig | None = None,
+    generation_config: GenerationConfig | Sequence[GenerationConfig | None] | None = None,
     *,
     tokenizer: Any = None,
     progress: bool = False,
+    streamer: Any = None,
     **kwargs: Any,
 ) -> list[GenerationResult]:
     """Generate for every prompt with continuous batching over the paged KV pool; results in input order.
 
-    ``generation_config``/``kwargs`` mean what they mean for ``model.generate``.
+    ``generation_config``/``kwargs`` mean what they mean for ``model.generate`` (every GenerationConfig
+    field, ``logits_processor=``, ``stopping_criteria=``, ``prefix_allowed_tokens_fn=``; ``stop_strings``
+    need a tokenizer). Extras: ``seed`` (prompt i gets seed + i), ``presence_penalty``,
+    ``frequency_penalty``, ``logit_bias`` ({token id: value}, vLLM semantics, applied after the
+    logits processors and before the sampling warpers), ``return_logprobs`` and ``top_logprobs``.
+
+    Per prompt: ``generation_config`` may be a list (one config or None per prompt), and a prompt may be a
+    dict ``{"prompt": ..., "generation_config": ..., **settings}`` whose config replaces the call's and
+    whose settings (any of the above, ``seed`` included) override the call's keyword arguments.
+    ``streamer=`` (a transformers ``TextStreamer``/``TextIteratorStreamer``) needs exactly one prompt.
     """
-    if isinstance(prompts, (str, torch.Tensor)) or (prompts and isinstance(prompts[0], int)):
-        raise ValueError("prompts must be a list of prompts (strings or token-id lists), not a single prompt")
+    prompts = check_prompt_list(prompts)
+    if streamer is not None and len(prompts) != 1:
+        raise ValueError(
+            f"streamer= works with exactly one prompt, got {len(prompts)}; use model.stream_many() to stream many"
+        )
     engine = Engine(model, tokenizer=tokenizer)
-    prompts = list(prompts)
     if not prompts:
         return []
-    call = {k: kwargs.pop(k) for k in _CALL_ONLY if k in kwargs}
-    base_seed = call.pop("seed", None)
-    resolved = resolve_generation_config(model, generation_config, kwargs)
-    requests = [
-        engine.make_request(
-            prompt,
-            resolved,
-            index=i,
-            seed=None if base_seed is None else (base_seed + i) % 2**62,
-            **call,
-        )
-        for i, prompt in enumerate(prompts)
-    ]
+    requests = engine.make_requests(prompts, generation_config, kwargs)
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -243,9 +286,14 @@ def generate_many(
     try:
         for request in requests:
             engine.enqueue(request)
+        if streamer is not None:
+            streamer.put(torch.tensor([requests[0].prompt_token_ids]))
         while engine.has_unfinished():
             outputs = engine.step()
             num_generated += len(outputs)
+            if streamer is not None:
+                for output in outputs:
+                    streamer.put(torch.tensor(output.new_token_ids))
             if bar is not None:
                 done = sum(1 for o in outputs if o.finished)
                 if done:
@@ -258,7 +306,9 @@ def generate_many(
     finally:
         if bar is not None:
             bar.close()
+        if streamer is not None:
+            streamer.end()
     for request in requests:
         if request.status is not RequestStatus.FINISHED:  # pragma: no cover - loop exits only when all finish
             raise RuntimeError(f"request {request.request_id} did not finish")
-    return [_result(request, engine.tokenizer) for request in requests]
+    return [build_result(request, engine.tokenizer) for request in requests]

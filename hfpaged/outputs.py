@@ -12,9 +12,18 @@ class RequestOutput:
     request_id: str
     index: int | None  # position in the generate_many prompt list, when there is one
     new_token_ids: list[int]
-    token_ids: list[int]  # every generated token so far
     finished: bool
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None  # "stop", "length", "time", "abort" or None while running
+    new_logprobs: list[float] | None = None  # log-probs of new_token_ids when return_logprobs is on
+    # The request's prompt + output ids (append-only, shared, not copied each step) and where they end now.
+    all_token_ids: list[int] = field(default_factory=list, repr=False)
+    num_prompt_tokens: int = 0
+    num_tokens: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token generated up to this step."""
+        return self.all_token_ids[self.num_prompt_tokens : self.num_tokens]
 
 
 @dataclass
@@ -24,5 +33,10 @@ class GenerationResult:
     prompt_token_ids: list[int]
     token_ids: list[int]  # generated ids only, including the eos that stopped it (as generate returns)
     text: str | None  # decoded generated text when a tokenizer is known
-    finish_reason: str  # "stop" or "length"
-    metrics: dict[str, float] = field(default_factory=dict)
+    finish_reason: str  # "stop" (eos, stop string, stopping criteria), "length", "time" (max_time) or "abort"
+    metrics: dict[str, float] = field(default_factory=dict)  # time_to_first_token, latency (s), tokens_per_second
+    # With return_logprobs: the log-probability of each generated token under the processed distribution
+    # (what compute_transition_scores(..., normalize_logits=True) gives); with top_logprobs=k also the k
+    # most likely tokens per position, {token id: log-prob}, most likely first (impossible ones left out).
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None

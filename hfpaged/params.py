@@ -1,30 +1,24 @@
 """Per-request generation settings, resolved exactly the way ``model.generate`` resolves them.
 
 We reuse transformers' own helpers (``_prepare_generation_config``, ``_prepare_generated_length``,
-``_get_logits_processor``, ``_get_stopping_criteria``) so defaults, precedence and processor order
-cannot drift from stock ``generate``.
+``_get_logits_processor``, ``_merge_criteria_processor_list``) so defaults, precedence and processor order
+cannot drift from stock ``generate``. Which settings apply to which prompt is ``prompt_settings``' job.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import GenerationConfig
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    MinPLogitsWarper,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
-from transformers.generation.stopping_criteria import (
-    EosTokenCriteria,
-    MaxLengthCriteria,
-    StoppingCriteriaList,
-)
+from transformers.generation.logits_process import LogitsProcessorList
+
+from .logits_pipeline import Stage, stage_schedule
+from .processor_plan import adjustment_stages, plan_stages, wrap_prefix_allowed_tokens_fn
+from .prompt_settings import CallOptions
+from .stopping import StopRules, build_stop_rules
 
 # Generation settings that change the decoding algorithm in ways hfpaged does not implement.
 _UNSUPPORTED_WHEN_SET = {
@@ -42,11 +36,6 @@ _UNSUPPORTED_TRUE = {
     "output_attentions": "attentions are not returned by generate_many",
     "output_hidden_states": "hidden states are not returned by generate_many",
 }
-
-# Warpers the batched sampler reproduces exactly (same order as transformers applies them).
-_BATCHED_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
-
-
 @dataclass
 class ResolvedConfig:
     """A GenerationConfig merged over the model's defaults, before per-prompt lengths."""
@@ -64,17 +53,14 @@ class RequestParams:
     max_length: int  # prompt + generated tokens at most
     eos_token_ids: frozenset[int]
     do_sample: bool
-    temperature: float
-    top_k: int  # 0 = off
-    top_p: float  # 1.0 = off
-    min_p: float | None
     seed: int
-    logits_processor: LogitsProcessorList | None  # per-request processors on the exact (row-wise) path
-    stopping_criteria: StoppingCriteriaList | None  # criteria beyond eos / max_length
+    stages: tuple[Stage, ...] = ()  # logits processors in transformers' order (see logits_pipeline)
+    stop: StopRules = field(default_factory=StopRules)  # stop strings, max_time, user criteria
+    return_logprobs: bool = False
+    top_logprobs: int = 0
 
-    @property
-    def needs_processors(self) -> bool:
-        return self.logits_processor is not None and len(self.logits_processor) > 0
+    def __post_init__(self) -> None:
+        self.stage_schedule = stage_schedule(self.stages)  # how run_stages orders and groups them
 
 
 def resolve_generation_config(
@@ -144,11 +130,13 @@ def make_request_params(
     model: Any,
     resolved: ResolvedConfig,
     prompt_token_ids: list[int],
+    options: CallOptions,
     *,
     seed: int,
-    logits_processor: LogitsProcessorList | None = None,
-    stopping_criteria: StoppingCriteriaList | None = None,
+    index: int | None,
+    vocab_size: int,
     tokenizer: Any = None,
+    stop_string_cache: dict | None = None,
 ) -> RequestParams:
     """Per-prompt settings: lengths as ``generate`` computes them, and the processors it would build."""
     config = copy.copy(resolved.generation_config)
@@ -161,38 +149,44 @@ def make_request_params(
         input_ids_length=prompt_len,
         inputs_tensor=None,
     )
-    prompt_tensor = torch.tensor([prompt_token_ids], dtype=torch.long)
+    if prompt_len >= config.max_length:
+        raise ValueError(
+            f"prompt {index} has {prompt_len} tokens but max_length is {config.max_length} "
+            "(as in generate, this is an error); set max_new_tokens or a larger max_length"
+        )
+    if options.logit_bias:
+        invalid = [t for t in options.logit_bias if t >= vocab_size]
+        if invalid:
+            raise ValueError(f"logit_bias names token ids outside the vocabulary [0, {vocab_size}): {invalid}")
+    user_processors = LogitsProcessorList(options.logits_processor or [])
+    prefix_fn = options.prefix_allowed_tokens_fn
     processors = model._get_logits_processor(
         generation_config=config,
         input_ids_seq_length=prompt_len,
-        encoder_input_ids=prompt_tensor,
-        prefix_allowed_tokens_fn=None,
-        logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
+        encoder_input_ids=torch.tensor([prompt_token_ids], dtype=torch.long),
+        prefix_allowed_tokens_fn=None if prefix_fn is None else wrap_prefix_allowed_tokens_fn(prefix_fn, index or 0),
+        logits_processor=user_processors,
         device="cpu",
         model_kwargs={},
     )
-    batched = len(processors) > 0 and config.do_sample and all(
-        type(p) in _BATCHED_WARPERS and getattr(p, "min_tokens_to_keep", 1) == 1 for p in processors
+    stages = plan_stages(
+        processors,
+        user_processors=user_processors,
+        adjustments=adjustment_stages(options.presence_penalty, options.frequency_penalty, options.logit_bias),
+        vocab_size=vocab_size,
     )
-    criteria = model._get_stopping_criteria(
-        generation_config=config,
-        stopping_criteria=stopping_criteria if stopping_criteria is not None else StoppingCriteriaList(),
-        tokenizer=tokenizer,
+    stop = build_stop_rules(
+        model, config, options.stopping_criteria, tokenizer, stop_string_cache if stop_string_cache is not None else {}
     )
-    # eos and max_length are checked by the scheduler itself; keep only the others.
-    extra_criteria = StoppingCriteriaList(c for c in criteria if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria)))
     eos = config._eos_token_tensor
-    eos_ids = frozenset(eos.tolist()) if eos is not None else frozenset()
     return RequestParams(
         generation_config=config,
         max_length=config.max_length,
-        eos_token_ids=eos_ids,
+        eos_token_ids=frozenset(eos.tolist()) if eos is not None else frozenset(),
         do_sample=bool(config.do_sample),
-        temperature=float(config.temperature) if config.temperature is not None else 1.0,
-        top_k=int(config.top_k) if config.top_k is not None else 0,
-        top_p=float(config.top_p) if config.top_p is not None else 1.0,
-        min_p=float(config.min_p) if config.min_p is not None else None,
         seed=seed,
-        logits_processor=None if batched or len(processors) == 0 else processors,
-        stopping_criteria=extra_criteria if len(extra_criteria) > 0 else None,
+        stages=stages,
+        stop=stop,
+        return_logprobs=options.return_logprobs,
+        top_logprobs=options.top_logprobs,
     )

@@ -44,6 +44,7 @@ class PatchState:
     max_model_len: int | None = None
     counters: dict[str, int] = field(default_factory=dict)
     runner: Any = None
+    swap: Any = None  # SwapSpace when preemption_mode == "swap"
 
     @property
     def uses_cuda(self) -> bool:
@@ -210,6 +211,10 @@ def _allocate_caches(state: PatchState, num_blocks: int) -> None:
         for layer in state.layers
     ]
     state.pool = BlockPool(num_blocks)
+    if state.config.preemption_mode == "swap":
+        from .swap import SwapSpace
+
+        state.swap = SwapSpace(state.kv_caches, state.config.swap_space)
 
 
 def patch(
@@ -283,8 +288,11 @@ def patch(
     model._hfpaged = state
 
     from .engine import generate_many
+    from .streaming import astream_many, stream_many
 
     model.generate_many = types.MethodType(generate_many, model)
+    model.stream_many = types.MethodType(stream_many, model)
+    model.astream_many = types.MethodType(astream_many, model)
     return model
 
 
@@ -302,6 +310,7 @@ def unpatch(model: PreTrainedModel) -> PreTrainedModel:
     state.kv_caches = []
     state.pool = None
     state.runner = None
+    state.swap = None
     del model._hfpaged
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -325,5 +334,7 @@ def stats(model: PreTrainedModel) -> dict[str, Any]:
         "block_size": state.config.block_size,
         "gpu_cache_usage": pool.num_used_blocks / pool.num_blocks,
         "num_layers": len(state.layers),
+        "num_cpu_blocks": state.swap.num_blocks if state.swap is not None else 0,
+        "num_free_cpu_blocks": state.swap.pool.num_free_blocks if state.swap is not None and state.swap.pool else 0,
         **state.counters,
     }

@@ -12,6 +12,7 @@ from .params import RequestParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV parked in CPU swap space
     FINISHED = "finished"
 
 
@@ -30,6 +31,9 @@ class Request:
         self.params = params
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        self.cpu_block_ids: list[int] = []  # where its KV sits while swapped out
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids (prefix cache)
+        self.num_registered_blocks = 0  # leading blocks published to the prefix cache
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.num_preemptions = 0
@@ -37,6 +41,8 @@ class Request:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.user_data: Any = None
+        self.logprobs: list[float] | None = [] if params.return_logprobs else None
+        self.top_logprobs: list[dict[int, float]] | None = [] if params.top_logprobs else None
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +68,12 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
         self.all_token_ids.append(token_id)
+
+    def record_logprob(self, logprob: float, top: dict[int, float] | None) -> None:
+        """Keep the log-probability of the token being appended (and its top alternatives, if asked)."""
+        self.logprobs.append(logprob)
+        if self.top_logprobs is not None:
+            self.top_logprobs.append(top if top is not None else {})
 
     def __repr__(self) -> str:
         return (

@@ -130,9 +130,29 @@ class ModelRunner:
         self.capture_graphs()
         return self.graphs.bucket_for(len(items))
 
+    def _swap(self, out: SchedulerOutput) -> None:
+        """Block copies the scheduler asked for, before the forward can overwrite freed GPU blocks."""
+        swap = self.state.swap
+        for gpu_ids, cpu_ids in out.swap_out:
+            swap.copy_out(self.state.kv_caches, swap.caches, gpu_ids, cpu_ids)
+        for cpu_ids, gpu_ids in out.swap_in:
+            swap.copy_in(self.state.kv_caches, swap.caches, cpu_ids, gpu_ids)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate shared blocks (every layer's K and V) before this step writes them."""
+        for k, v in self.state.kv_caches:
+            src = torch.tensor([c[0] for c in copies], device=k.device)
+            dst = torch.tensor([c[1] for c in copies], device=k.device)
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
         """Run one step; returns logits ``[num_sampled, vocab]`` and the requests they belong to."""
+        if out.swap_out or out.swap_in:
+            self._swap(out)
+        if out.block_copies:
+            self._copy_blocks(out.block_copies)
         bucket = self._graph_bucket(out)
         if bucket is not None:
             host = build_host_step(out, self.block_size, pad_tokens=bucket, width=self.graph_width)

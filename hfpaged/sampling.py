@@ -4,12 +4,18 @@ Sampling uses the Gumbel-max trick (``argmax(scores + Gumbel noise)`` draws from
 with noise from a counter-based hash of (request seed, token position, vocab index). So a request's
 draws depend only on its own seed and progress - never on which requests share the batch or on how
 the scheduler split the work - and no device sync is needed to sample.
+
+Before that, every row's logits processors run (``logits_pipeline``): batched kinds for the common ones,
+the exact transformers call row by row for the rest.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from .logits_pipeline import StageContext, run_stages
 from .request import Request
 
 _MASK32 = 0xFFFFFFFF
@@ -28,83 +34,110 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+_column_keys: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _column_key(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The per-vocab-index half of the hash (the same every step: computed once per vocab size and device)."""
+    key = _column_keys.get((vocab_size, device))
+    if key is None:
+        key = _column_keys[(vocab_size, device)] = _mix32(torch.arange(vocab_size, dtype=torch.int64, device=device) + 0x9E3779B9)
+    return key
+
+
 def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Gumbel(0, 1) noise ``[N, vocab_size]`` determined by (seed, counter, vocab index) alone."""
-    device = seeds.device
     seeds = seeds.to(torch.int64)
     row_key = _mix32(((seeds >> 32) & _MASK32) ^ _mix32(counters.to(torch.int64) & _MASK32))
     row_key = _mix32(row_key ^ (seeds & _MASK32))
-    col = _mix32(torch.arange(vocab_size, dtype=torch.int64, device=device) + 0x9E3779B9)
-    bits = _mix32(col[None, :] ^ row_key[:, None])
+    bits = _mix32(_column_key(vocab_size, seeds.device)[None, :] ^ row_key[:, None])
     uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # strictly inside (0, 1)
     return -torch.log(-torch.log(uniform))
 
 
-def apply_warpers(scores: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p per row, exactly as transformers' warpers (in that order)."""
-    device = scores.device
-    params = [r.params for r in requests]
-    temperature = torch.tensor([p.temperature for p in params], dtype=scores.dtype, device=device)
-    scores = scores / temperature[:, None]
+@dataclass
+class SamplerOutput:
+    """One token per row, and (for rows that asked) its log-probability and the top alternatives."""
 
-    top_ks = [p.top_k for p in params]
-    if any(k > 0 for k in top_ks):
-        vocab = scores.shape[-1]
-        k_rows = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_ks], device=device)
-        k_max = int(k_rows.max())
-        kth = torch.topk(scores, k_max, dim=-1).values.gather(1, (k_rows - 1)[:, None])
-        use = torch.tensor([k > 0 for k in top_ks], device=device)[:, None]
-        scores = scores.masked_fill(use & (scores < kth), float("-inf"))
-
-    top_ps = [p.top_p for p in params]
-    if any(p < 1.0 for p in top_ps):
-        # transformers compares against the Python float (1 - top_p), cast to the scores' dtype.
-        threshold = torch.tensor([1 - p for p in top_ps], dtype=scores.dtype, device=device)[:, None]
-        use = torch.tensor([p < 1.0 for p in top_ps], device=device)[:, None]
-        sorted_logits, sorted_indices = torch.sort(scores, descending=False)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        remove_sorted = (cumulative <= threshold) & use
-        remove_sorted[:, -1:] = False
-        remove = remove_sorted.scatter(1, sorted_indices, remove_sorted)
-        scores = scores.masked_fill(remove, float("-inf"))
-
-    min_ps = [p.min_p for p in params]
-    if any(p is not None for p in min_ps):
-        min_p = torch.tensor([p if p is not None else 0.0 for p in min_ps], dtype=scores.dtype, device=device)
-        probs = torch.softmax(scores, dim=-1)
-        threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-        remove = probs < threshold
-        sorted_indices = torch.argsort(scores, descending=True, dim=-1)
-        remove_sorted = torch.gather(remove, dim=-1, index=sorted_indices)
-        remove_sorted[:, :1] = False
-        remove = remove_sorted.scatter(1, sorted_indices, remove_sorted)
-        scores = scores.masked_fill(remove, float("-inf"))
-    return scores
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[dict[int, float] | None]
 
 
 class Sampler:
-    """Picks one token per row of last-position logits; one device-to-host copy per call."""
+    """Processes each row's logits (its own stages), then picks one token per row; one device-to-host copy.
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    Greedy rows take the argmax; sampled rows the argmax of scores plus Gumbel noise keyed by
+    (seed, position). Log-probabilities are those of the processed distribution, as
+    ``compute_transition_scores(..., normalize_logits=True)`` reports them.
+    """
+
+    def __init__(self) -> None:
+        self.context: StageContext | None = None
+
+    def _stage_context(self, scores: torch.Tensor) -> StageContext:
+        if self.context is None:
+            self.context = StageContext(scores.shape[-1], scores.device)
+        return self.context
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         scores = logits.float()
-        rows_hf = [i for i, r in enumerate(requests) if r.params.needs_processors]
-        for i in rows_hf:
-            request = requests[i]
-            ids = torch.tensor([request.all_token_ids], dtype=torch.long, device=scores.device)
-            scores[i : i + 1] = request.params.logits_processor(ids, scores[i : i + 1])
+        if any(r.params.stages for r in requests):
+            context = self._stage_context(scores)
+            context.begin_step()
+            scores = run_stages(scores, requests, context)
 
+        num_rows = len(requests)
+        device = scores.device
         sample_rows = [i for i, r in enumerate(requests) if r.params.do_sample]
-        tokens = scores.argmax(dim=-1)
-        if sample_rows:
-            rows = torch.tensor(sample_rows, device=scores.device)
-            sub = scores.index_select(0, rows)
-            warped = [i for i in sample_rows if not requests[i].params.needs_processors]
-            if warped:
-                pos = [sample_rows.index(i) for i in warped]
-                pos_t = torch.tensor(pos, device=scores.device)
-                sub[pos_t] = apply_warpers(sub[pos_t], [requests[i] for i in warped])
-            seeds = torch.tensor([requests[i].params.seed for i in sample_rows], device=scores.device)
-            counters = torch.tensor([requests[i].num_tokens for i in sample_rows], device=scores.device)
-            noise = gumbel_noise(seeds, counters, sub.shape[-1])
-            tokens[rows] = (sub + noise).argmax(dim=-1)
-        return tokens.tolist()
+        if len(sample_rows) == num_rows:
+            tokens = (scores + _noise(requests, scores)).argmax(dim=-1)
+        else:
+            tokens = scores.argmax(dim=-1)
+            if sample_rows:
+                rows = torch.tensor(sample_rows).to(device, non_blocking=True)
+                sub = scores.index_select(0, rows)
+                sampled = (sub + _noise([requests[i] for i in sample_rows], sub)).argmax(dim=-1)
+                tokens = tokens.index_copy(0, rows, sampled)
+
+        logprob_rows = [i for i, r in enumerate(requests) if r.params.return_logprobs]
+        if not logprob_rows:
+            return SamplerOutput(tokens.tolist(), [None] * num_rows, [None] * num_rows)
+        return _with_logprobs(scores, tokens, requests, logprob_rows)
+
+
+def _noise(requests: list[Request], scores: torch.Tensor) -> torch.Tensor:
+    keys = torch.tensor([[r.params.seed, r.num_tokens] for r in requests], dtype=torch.int64)
+    keys = keys.to(scores.device, non_blocking=True)
+    return gumbel_noise(keys[:, 0], keys[:, 1], scores.shape[-1])
+
+
+def _with_logprobs(
+    scores: torch.Tensor, tokens: torch.Tensor, requests: list[Request], rows: list[int]
+) -> SamplerOutput:
+    """Tokens plus log-softmax of the processed scores at the chosen token (and the top-k), in one copy."""
+    num_rows = len(requests)
+    index = torch.tensor(rows).to(scores.device, non_blocking=True)
+    logprobs = scores.index_select(0, index).log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens.index_select(0, index)[:, None])[:, 0]
+    top_k = max(requests[i].params.top_logprobs for i in rows)
+    # one float32 copy for everything: token ids are exact in float32 (vocabularies are far below 2**24)
+    parts = [tokens.float(), chosen.float()]
+    if top_k:
+        top = torch.topk(logprobs, min(top_k, logprobs.shape[-1]), dim=-1)
+        parts += [top.values.float().flatten(), top.indices.float().flatten()]
+    flat = torch.cat(parts).tolist()
+    token_ids = [int(t) for t in flat[:num_rows]]
+    row_logprobs: list[float | None] = [None] * num_rows
+    row_top: list[dict[int, float] | None] = [None] * num_rows
+    num_lp = len(rows)
+    k = min(top_k, logprobs.shape[-1])
+    values = flat[num_rows + num_lp : num_rows + num_lp + num_lp * k]
+    ids = flat[num_rows + num_lp + num_lp * k :]
+    for j, i in enumerate(rows):
+        row_logprobs[i] = flat[num_rows + j]
+        wanted = requests[i].params.top_logprobs
+        if wanted:
+            pairs = zip(ids[j * k : j * k + wanted], values[j * k : j * k + wanted])
+            row_top[i] = {int(t): v for t, v in pairs if v != float("-inf")}
+    return SamplerOutput(token_ids, row_logprobs, row_top)

@@ -10,18 +10,13 @@ from hfpaged.scheduler import Scheduler
 
 
 def params(max_length=1000, eos=()):
+    """Greedy settings with no processors (the scheduler reads only lengths and stop rules)."""
     return RequestParams(
         generation_config=GenerationConfig(),
         max_length=max_length,
         eos_token_ids=frozenset(eos),
         do_sample=False,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        min_p=None,
         seed=0,
-        logits_processor=None,
-        stopping_criteria=None,
     )
 
 
@@ -32,7 +27,7 @@ def request(rid, n, **kw):
 def make(num_blocks=32, block_size=4, budget=10, max_num_seqs=8, watermark=0.0):
     config = EngineConfig(
         block_size=block_size, num_blocks=num_blocks, max_num_batched_tokens=budget,
-        max_num_seqs=max_num_seqs, watermark=watermark,
+        max_num_seqs=max_num_seqs, watermark=watermark, enable_prefix_caching=False,
     )
     return Scheduler(config, BlockPool(num_blocks))
 

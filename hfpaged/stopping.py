@@ -1,0 +1,128 @@
+"""Stop conditions beyond eos and max_length: stop strings, max_time, and user ``stopping_criteria``.
+
+Built per request the way ``generate`` builds them (``_get_stopping_criteria`` merge rules: a criterion you
+pass replaces the built-in one of the same type), and checked after every appended token. Stop strings are
+checked for all requests that share a criterion in one batched call on the last tokens; ``max_time`` is
+measured from the request's arrival; other criteria get the request's full ids, exactly as in ``generate``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
+
+if TYPE_CHECKING:
+    from .request import Request
+
+
+@dataclass
+class StopRules:
+    """One request's stop conditions besides eos / max_length (checked by the scheduler itself)."""
+
+    stop_strings: StopStringCriteria | None = None
+    max_time: MaxTimeCriteria | None = None
+    criteria: StoppingCriteriaList | None = None  # everything else: called with the full ids
+
+    @property
+    def is_empty(self) -> bool:
+        return self.stop_strings is None and self.max_time is None and self.criteria is None
+
+
+def build_stop_rules(
+    model: Any,
+    config: GenerationConfig,
+    user_criteria: StoppingCriteriaList | None,
+    tokenizer: Any,
+    stop_string_cache: dict,
+) -> StopRules:
+    """``generate``'s stopping criteria for one request; StopStringCriteria are shared through the cache."""
+    defaults = StoppingCriteriaList()
+    if config.max_length is not None:
+        defaults.append(MaxLengthCriteria(max_length=config.max_length))
+    if config.max_time is not None:
+        defaults.append(MaxTimeCriteria(max_time=config.max_time))
+    if config.stop_strings is not None:
+        if tokenizer is None:
+            raise ValueError(
+                "There are one or more stop strings, either in the arguments to generate_many or in the model's "
+                "generation config, but no tokenizer is known: pass tokenizer= to generate_many or patch."
+            )
+        key = (id(tokenizer), tuple([config.stop_strings] if isinstance(config.stop_strings, str) else config.stop_strings))
+        criterion = stop_string_cache.get(key)
+        if criterion is None:
+            criterion = stop_string_cache[key] = StopStringCriteria(stop_strings=config.stop_strings, tokenizer=tokenizer)
+        defaults.append(criterion)
+    if config._eos_token_tensor is not None:
+        defaults.append(EosTokenCriteria(eos_token_id=config._eos_token_tensor))
+    merged = model._merge_criteria_processor_list(defaults, user_criteria if user_criteria is not None else [])
+    built = {id(c) for c in defaults}
+    rules = StopRules()
+    others = StoppingCriteriaList()
+    for criterion in merged:
+        if id(criterion) in built and isinstance(criterion, (MaxLengthCriteria, EosTokenCriteria)):
+            continue  # the scheduler checks max_length and eos itself
+        if type(criterion) is StopStringCriteria and rules.stop_strings is None:
+            rules.stop_strings = criterion
+        elif type(criterion) is MaxTimeCriteria and rules.max_time is None:
+            rules.max_time = criterion
+        else:
+            others.append(criterion)
+    rules.criteria = others if len(others) else None
+    return rules
+
+
+def check_stops(requests: list["Request"]) -> list[str | None]:
+    """Why each request (which just gained a token) stops: "stop", "length", "time", or None to go on."""
+    reasons: list[str | None] = [None] * len(requests)
+    by_criterion: dict[int, tuple[StopStringCriteria, list[int]]] = {}
+    now = None
+    for i, request in enumerate(requests):
+        params = request.params
+        if request.all_token_ids[-1] in params.eos_token_ids:
+            reasons[i] = "stop"
+            continue
+        rules = params.stop
+        if rules.stop_strings is not None:
+            by_criterion.setdefault(id(rules.stop_strings), (rules.stop_strings, []))[1].append(i)
+        if rules.criteria is not None:
+            ids = torch.tensor([request.all_token_ids], dtype=torch.long)
+            if bool(rules.criteria(ids, None).any()):
+                reasons[i] = "stop"
+                continue
+        if request.num_tokens >= params.max_length:
+            reasons[i] = "length"
+        elif rules.max_time is not None:
+            now = time.time() if now is None else now
+            if now - rules.max_time.initial_timestamp > rules.max_time.max_time:
+                reasons[i] = "time"
+    for criterion, rows in by_criterion.values():
+        for i, stopped in zip(rows, _stop_string_hits(criterion, [requests[i] for i in rows])):
+            if stopped:
+                reasons[i] = "stop"
+    return reasons
+
+
+def _stop_string_hits(criterion: StopStringCriteria, requests: list["Request"]) -> list[bool]:
+    """The criterion on each request's last ``maximum_token_len`` ids: one call for all long-enough requests."""
+    width = criterion.maximum_token_len
+    hits = [False] * len(requests)
+    full = [i for i, r in enumerate(requests) if r.num_tokens >= width]
+    if full:
+        tails = torch.tensor([requests[i].all_token_ids[-width:] for i in full], dtype=torch.long)
+        for i, stopped in zip(full, criterion(tails, None).tolist()):
+            hits[i] = bool(stopped)
+    for i, request in enumerate(requests):
+        if request.num_tokens < width:
+            hits[i] = bool(criterion(torch.tensor([request.all_token_ids], dtype=torch.long), None)[0])
+    return hits

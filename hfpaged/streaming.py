@@ -1,0 +1,143 @@
+"""Streaming: ``stream_many`` yields tokens as they are sampled; ``astream_many`` is its asyncio twin.
+
+Both validate and tokenize every prompt when called, queue them on the first iteration, and abort all
+unfinished requests (their blocks go back to the pool) when the iterator is closed early, garbage-collected
+or fails. Tokens are appended exactly once even when a request is preempted and recomputed, so a request's
+events add up to its ``generate_many`` result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+from transformers import GenerationConfig, PreTrainedModel
+
+from .detokenizer import IncrementalDetokenizer
+from .engine import Engine, build_result, check_prompt_list
+from .outputs import GenerationResult, RequestOutput
+from .request import Request
+
+
+@dataclass
+class StreamEvent:
+    """New tokens of one request (one per step while decoding)."""
+
+    index: int  # position of the prompt in the list given to stream_many
+    request_id: str
+    token_ids: list[int]  # the new ids
+    text: str | None  # the new text (None without a tokenizer); "" while a character is incomplete
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "time", "abort" once finished
+    logprobs: list[float] | None = None  # log-probs of token_ids when return_logprobs is on
+    result: GenerationResult | None = None  # the whole result, on the request's last event
+
+
+class _EventMaker:
+    """Turns engine step outputs into StreamEvents (incremental text per request)."""
+
+    def __init__(self, engine: Engine, requests: list[Request]):
+        self.tokenizer = engine.tokenizer
+        self.by_id = {r.request_id: r for r in requests}
+        self.detokenizers = (
+            {r.request_id: IncrementalDetokenizer(self.tokenizer, start=r.num_prompt_tokens) for r in requests}
+            if self.tokenizer is not None
+            else None
+        )
+
+    def events(self, outputs: list[RequestOutput]) -> list[StreamEvent]:
+        events = []
+        for output in outputs:
+            request = self.by_id[output.request_id]
+            text = None
+            if self.detokenizers is not None:
+                detokenizer = self.detokenizers[output.request_id]
+                text = detokenizer.push(request.all_token_ids)
+                if output.finished:
+                    text += detokenizer.finish(request.all_token_ids)
+            events.append(
+                StreamEvent(
+                    index=output.index,
+                    request_id=output.request_id,
+                    token_ids=list(output.new_token_ids),
+                    text=text,
+                    finished=output.finished,
+                    finish_reason=output.finish_reason,
+                    logprobs=output.new_logprobs,
+                    result=build_result(request, self.tokenizer) if output.finished else None,
+                )
+            )
+        return events
+
+
+def _prepare(
+    model: PreTrainedModel, prompts: Sequence[Any], generation_config: Any, tokenizer: Any, kwargs: dict[str, Any]
+) -> tuple[Engine, list[Request]]:
+    prompts = check_prompt_list(prompts)
+    if kwargs.get("streamer") is not None:
+        raise ValueError("stream_many does not take streamer=: iterate over its events instead")
+    kwargs = {k: v for k, v in kwargs.items() if k != "streamer"}
+    engine = Engine(model, tokenizer=tokenizer)
+    return engine, engine.make_requests(prompts, generation_config, kwargs)
+
+
+def stream_many(
+    model: PreTrainedModel,
+    prompts: Sequence[Any],
+    generation_config: GenerationConfig | Sequence[GenerationConfig | None] | None = None,
+    *,
+    tokenizer: Any = None,
+    **kwargs: Any,
+) -> Iterator[StreamEvent]:
+    """Like ``generate_many`` (same arguments), but yields a StreamEvent whenever a request gains tokens."""
+    engine, requests = _prepare(model, prompts, generation_config, tokenizer, kwargs)
+    return _stream(engine, requests)
+
+
+def _stream(engine: Engine, requests: list[Request]) -> Iterator[StreamEvent]:
+    maker = _EventMaker(engine, requests)
+    try:
+        for request in requests:
+            engine.enqueue(request)
+        while engine.has_unfinished():
+            yield from maker.events(engine.step())
+    finally:
+        engine.abort_all()
+
+
+def astream_many(
+    model: PreTrainedModel,
+    prompts: Sequence[Any],
+    generation_config: GenerationConfig | Sequence[GenerationConfig | None] | None = None,
+    *,
+    tokenizer: Any = None,
+    **kwargs: Any,
+) -> AsyncIterator[StreamEvent]:
+    """``stream_many`` for asyncio: ``async for event in model.astream_many(...)``.
+
+    Each engine step runs in one worker thread so the event loop stays responsive; steps never overlap.
+    """
+    engine, requests = _prepare(model, prompts, generation_config, tokenizer, kwargs)
+    return _astream(engine, requests)
+
+
+async def _astream(engine: Engine, requests: list[Request]) -> AsyncIterator[StreamEvent]:
+    maker = _EventMaker(engine, requests)
+    worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hfpaged-step")
+    running: concurrent.futures.Future | None = None
+    try:
+        for request in requests:
+            engine.enqueue(request)
+        while engine.has_unfinished():
+            running = worker.submit(engine.step)
+            outputs = await asyncio.wrap_future(running)
+            running = None
+            for event in maker.events(outputs):
+                yield event
+    finally:
+        if running is not None:  # cancelled mid-step: let the step finish before touching the engine
+            concurrent.futures.wait([running])
+        engine.abort_all()
+        worker.shutdown(wait=False)

@@ -1,0 +1,95 @@
+"""Device token statistics per live request, kept up to date incrementally (one row per request).
+
+Only the tokens a request appended since the last step are scattered in, so a step costs O(new tokens)
+host work however long the requests are.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .request import Request
+
+
+class TokenCountTable:
+    """``prompt_mask[slot, v]`` (v occurs in the prompt) and ``output_counts[slot, v]`` (times v was generated).
+
+    A request takes a slot the first time a stage needs it; slots of finished requests are reused when the
+    table is full, and the table doubles when none is free.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = device
+        self.capacity = 0
+        self.prompt_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self.output_counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
+        self.slot_of: dict["Request", int] = {}
+        self.num_counted: dict["Request", int] = {}
+        self.free_slots: list[int] = []
+
+    def _take_slot(self, request: "Request") -> int:
+        if not self.free_slots:
+            for owner in [r for r in self.slot_of if r.is_finished]:
+                self.free_slots.append(self.slot_of.pop(owner))
+                del self.num_counted[owner]
+        if not self.free_slots:
+            self._grow(max(8, 2 * self.capacity))
+        slot = self.free_slots.pop()
+        self.slot_of[request] = slot
+        self.num_counted[request] = 0
+        return slot
+
+    def _grow(self, capacity: int) -> None:
+        prompt_mask = torch.zeros(capacity, self.vocab_size, dtype=torch.bool, device=self.device)
+        output_counts = torch.zeros(capacity, self.vocab_size, dtype=torch.float32, device=self.device)
+        prompt_mask[: self.capacity] = self.prompt_mask
+        output_counts[: self.capacity] = self.output_counts
+        self.prompt_mask, self.output_counts = prompt_mask, output_counts
+        self.free_slots.extend(range(capacity - 1, self.capacity - 1, -1))
+        self.capacity = capacity
+
+    def slots_for(self, requests: list["Request"]) -> torch.Tensor:
+        """The requests' slots ``[n]`` on the device, after counting every token they gained since last time."""
+        slots, new_slots = [], []
+        prompt_rows, prompt_cols, output_rows, output_cols = [], [], [], []
+        vocab_size = self.vocab_size
+        for request in requests:
+            slot = self.slot_of.get(request)
+            if slot is None:
+                slot = self._take_slot(request)
+                new_slots.append(slot)
+            slots.append(slot)
+            counted = self.num_counted[request]
+            num_tokens = request.num_tokens
+            if counted == num_tokens:
+                continue
+            prompt_len = request.num_prompt_tokens
+            ids = request.all_token_ids
+            for position in range(counted, num_tokens):
+                token_id = ids[position]
+                if token_id >= vocab_size:
+                    continue  # cannot be produced by the head: nothing to penalize
+                if position < prompt_len:
+                    prompt_rows.append(slot)
+                    prompt_cols.append(token_id)
+                else:
+                    output_rows.append(slot)
+                    output_cols.append(token_id)
+            self.num_counted[request] = num_tokens
+        device = self.device
+        if new_slots:
+            index = torch.tensor(new_slots).to(device, non_blocking=True)
+            self.prompt_mask.index_fill_(0, index, False)
+            self.output_counts.index_fill_(0, index, 0.0)
+        if prompt_rows:
+            index = torch.tensor([prompt_rows, prompt_cols]).to(device, non_blocking=True)
+            self.prompt_mask.index_put_((index[0], index[1]), torch.tensor(True, device=device))
+        if output_rows:
+            index = torch.tensor([output_rows, output_cols]).to(device, non_blocking=True)
+            ones = torch.ones(len(output_rows), dtype=torch.float32, device=device)
+            self.output_counts.index_put_((index[0], index[1]), ones, accumulate=True)
+        return torch.tensor(slots).to(device, non_blocking=True)

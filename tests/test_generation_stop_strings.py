@@ -1,0 +1,107 @@
+"""stop_strings with a real byte-level BPE tokenizer: token-exact with stock ``generate``, including
+stop strings that span several tokens and end inside a token."""
+
+import warnings
+
+import pytest
+
+import hfpaged
+from bpe_tokenizer import make_tokenizer
+from models import make_model, reference_generate
+
+NEW = 16
+TEXTS = ["the stop sign", "question: what", "stars and", "café", "a quick brown"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    m = make_model("llama", vocab_size=len(tokenizer), seed=3)
+    hfpaged.patch(m, num_blocks=20, block_size=4, max_num_batched_tokens=24, tokenizer=tokenizer)
+    return m
+
+
+@pytest.fixture(autouse=True)
+def pool_is_free_after(model):
+    yield
+    stats = hfpaged.stats(model)
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [tokenizer(t)["input_ids"] for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def base(tokenizer):
+    """Greedy settings that keep a random model to printable ASCII tokens (so stop strings can be read)."""
+    unreadable = [
+        i for i in range(len(tokenizer))
+        if i != tokenizer.eos_token_id and not (tokenizer.decode([i]).isascii() and tokenizer.decode([i]).isprintable())
+    ]
+    return dict(max_new_tokens=NEW, do_sample=False, suppress_tokens=unreadable)
+
+
+@pytest.fixture(scope="module")
+def plain(model, prompts, base):
+    out = [r.token_ids for r in model.generate_many(prompts, **base)]
+    assert all(len(set(o)) > 3 for o in out)
+    return out
+
+
+def spanning_stop_string(tokenizer, output):
+    """A string from the greedy output that starts in one token and ends inside a later one (overhang)."""
+    pieces = [tokenizer.decode([t]) for t in output]
+
+    def clean(piece):
+        return piece.isascii() and piece.isprintable() and piece not in tokenizer.all_special_tokens
+
+    for k in range(1, len(pieces) - 2):
+        a, b, c = pieces[k], pieces[k + 1], pieces[k + 2]
+        if clean(a) and clean(b) and clean(c) and len(c) >= 2:
+            return a[-1] + b + c[:-1]  # spans three tokens, ends one character before the third one does
+    raise AssertionError("no printable token run in the greedy output")
+
+
+def test_stop_strings_match_stock_generate(model, tokenizer, prompts, plain, base):
+    stops = [spanning_stop_string(tokenizer, out) for out in plain[:3]]
+    kwargs = dict(base, stop_strings=stops)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = reference_generate(model, prompts, tokenizer=tokenizer, **kwargs)
+    results = model.generate_many(prompts, **kwargs)
+    assert [r.token_ids for r in results] == expected
+    stopped = [r for r in results if r.finish_reason == "stop"]
+    assert stopped and any(len(r.token_ids) < NEW for r in stopped)
+    for r in stopped:
+        text = tokenizer.decode(r.prompt_token_ids + r.token_ids)
+        last = tokenizer.decode(r.token_ids[-1:])
+        hit = [s for s in stops if s in text]
+        assert hit and not any(s in last for s in hit)  # the match spans tokens
+
+
+def test_each_prompt_can_have_its_own_stop_strings(model, tokenizer, prompts, plain, base):
+    batch, expected = [], []
+    for i, (prompt, out) in enumerate(zip(prompts, plain)):
+        stop = spanning_stop_string(tokenizer, out) if i % 2 == 0 else None
+        batch.append({"prompt": prompt, "stop_strings": stop} if stop else prompt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            expected.append(reference_generate(model, [prompt], stop_strings=stop, tokenizer=tokenizer, **base)[0])
+    results = model.generate_many(batch, **base)
+    assert [r.token_ids for r in results] == expected
+    assert [r.finish_reason == "stop" and len(r.token_ids) < NEW for r in results] == [True, False, True, False, True]
+
+
+def test_a_stop_string_can_start_in_the_prompt(model, tokenizer, prompts, plain, base):
+    first = tokenizer.decode(plain[0][:1])
+    stop = tokenizer.decode(prompts[0][-1:])[-2:] + first
+    kwargs = dict(base, stop_strings=[stop])
+    results = model.generate_many(prompts[:1], **kwargs)
+    assert [r.token_ids for r in results] == reference_generate(model, prompts[:1], tokenizer=tokenizer, **kwargs)
+    assert results[0].token_ids == plain[0][:1] and results[0].finish_reason == "stop"
