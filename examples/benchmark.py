@@ -258,11 +258,14 @@ def bench_model(name, args, bandwidth):
         try:
             run_hfpaged(model, prompts[:16], [8] * 16)
             tokens, dt, usage, engine = run_hfpaged(model, prompts, out_lens, track_usage=True)
+            timings = dict(engine.timings)
             w["hfpaged"] = {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt, "kv_slot_usage": usage,
                             "graph_steps": engine.runner.num_graph_steps, "eager_steps": engine.runner.num_eager_steps,
-                            "stats": hfpaged.stats(model)}
+                            "host_seconds": timings, "stats": hfpaged.stats(model)}
             log(f"[{kind}] hfpaged: {tokens} tokens in {dt:.2f}s = {tokens / dt:,.0f} tok/s, KV slot usage {usage:.1%}, "
                 f"graph/eager steps {engine.runner.num_graph_steps}/{engine.runner.num_eager_steps}")
+            steps = max(timings.get("steps", 1), 1)
+            log("    per step (ms): " + ", ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in timings.items() if k != "steps"))
         except Exception:
             w["hfpaged_error"] = traceback.format_exc()
             log(w["hfpaged_error"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import defaultdict
 from typing import Any, Sequence
 
 import torch
@@ -58,6 +59,7 @@ class Engine:
         self.scheduler = Scheduler(self.state.config, self.state.pool, self.state.counters, cpu_pool)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
+        self.timings: dict[str, float] = defaultdict(float)  # host seconds per step phase, and "steps"
         self.stop_string_cache: dict = {}  # StopStringCriteria shared by requests with the same stop strings
 
     # --- requests -------------------------------------------------------------------------------
@@ -178,12 +180,16 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one packed forward, sample, update. Returns what each advanced request gained."""
+        clock = time.perf_counter
+        t0 = clock()
         out = self.scheduler.schedule()
         if out.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress: no running request and the next one does not fit")
             return []
+        t1 = clock()
         logits, sample_requests = self.runner.execute(out)
+        t2 = clock()
         sampled = {}
         if sample_requests:
             picked = self.sampler(logits, sample_requests)
@@ -191,7 +197,14 @@ class Engine:
                 sampled[request.request_id] = token
                 if logprob is not None:
                     request.record_logprob(logprob, top)
+        t3 = clock()
         advanced = self.scheduler.update(out, sampled)
+        timings = self.timings
+        timings["schedule"] += t1 - t0
+        timings["execute"] += t2 - t1  # host: inputs + launches (the device runs on asynchronously)
+        timings["sample"] += t3 - t2  # includes waiting for the device (the one device->host copy)
+        timings["update"] += clock() - t3
+        timings["steps"] += 1
         outputs = []
         for request in advanced:
             finished = request.is_finished

@@ -11,7 +11,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-LENGTHS = [1, 3, 9, 17, 33, 64, 5, 40, 2, 7]
+LENGTHS = [1, 3, 9, 17, 33, 64, 5, 40]
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
@@ -21,7 +21,7 @@ def test_cuda_float32_parity_triton(arch, enforce_eager):
     prompts = random_prompts(LENGTHS, seed=1)
     expected = reference_generate(model, prompts, max_new_tokens=24, do_sample=False)
     assert sum(len(set(e)) > 3 for e in expected) >= len(expected) // 2
-    hfpaged.patch(model, num_blocks=60, block_size=4, max_num_seqs=6, max_num_batched_tokens=32,
+    hfpaged.patch(model, num_blocks=26, block_size=4, max_num_seqs=3, max_num_batched_tokens=24,
                   enforce_eager=enforce_eager)
     assert model._hfpaged.use_triton
     results = model.generate_many(prompts, max_new_tokens=24, do_sample=False)
