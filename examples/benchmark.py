@@ -176,8 +176,14 @@ def run_hfpaged(model, prompts, out_lens, track_usage=False):
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     num_tokens = 0
+    step_log = []  # (seconds, graph step?, batch size)
+    runner = engine.runner
     while engine.has_unfinished():
-        num_tokens += len(engine.step())
+        graph_steps = runner.num_graph_steps
+        ts = time.perf_counter()
+        outputs = engine.step()
+        step_log.append((time.perf_counter() - ts, runner.num_graph_steps > graph_steps, len(outputs)))
+        num_tokens += len(outputs)
         if track_usage:
             running = engine.scheduler.running
             real_tokens += sum(r.num_computed_tokens for r in running)
@@ -185,7 +191,19 @@ def run_hfpaged(model, prompts, out_lens, track_usage=False):
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     usage = real_tokens / used_slots if used_slots else None
+    engine.step_log = step_log
     return num_tokens, dt, usage, engine
+
+
+def summarize_steps(step_log):
+    graph = [t for t, g, _ in step_log if g]
+    eager = [t for t, g, _ in step_log if not g]
+    slow = sorted(step_log, reverse=True)[:5]
+    return {
+        "graph_steps": len(graph), "graph_seconds": sum(graph),
+        "eager_steps": len(eager), "eager_seconds": sum(eager),
+        "slowest": [(round(t * 1e3, 2), g, b) for t, g, b in slow],
+    }
 
 
 def batch1_latency(model, prompt_len=128, new_tokens=256):
@@ -239,7 +257,7 @@ def bench_model(name, args, bandwidth):
     res = {"model": name, "weight_bytes": weight_bytes_per_token(model)}
 
     if "latency" in args.sections:
-        hfpaged.patch(model, max_num_seqs=args.max_num_seqs)
+        hfpaged.patch(model, max_num_seqs=args.max_num_seqs, compile=args.compile)
         try:
             ms = batch1_latency(model)
             roof = res["weight_bytes"] / bandwidth * 1e3
@@ -254,9 +272,9 @@ def bench_model(name, args, bandwidth):
         w = res.setdefault(kind, {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
                                   "output_tokens": sum(out_lens)})
         # hfpaged (warm-up first: graph capture, Triton compile)
-        hfpaged.patch(model, max_num_seqs=args.max_num_seqs)
+        hfpaged.patch(model, max_num_seqs=args.max_num_seqs, compile=args.compile)
         try:
-            run_hfpaged(model, prompts[:16], [8] * 16)
+            run_hfpaged(model, prompts[:32], [8] * 32)
             tokens, dt, usage, engine = run_hfpaged(model, prompts, out_lens, track_usage=True)
             timings = dict(engine.timings)
             w["hfpaged"] = {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt, "kv_slot_usage": usage,
@@ -264,6 +282,8 @@ def bench_model(name, args, bandwidth):
                             "host_seconds": timings, "stats": hfpaged.stats(model)}
             log(f"[{kind}] hfpaged: {tokens} tokens in {dt:.2f}s = {tokens / dt:,.0f} tok/s, KV slot usage {usage:.1%}, "
                 f"graph/eager steps {engine.runner.num_graph_steps}/{engine.runner.num_eager_steps}")
+            w["hfpaged"]["steps"] = summarize_steps(engine.step_log)
+            log(f"    steps: {w['hfpaged']['steps']}")
             steps = max(timings.get("steps", 1), 1)
             log("    per step (ms): " + ", ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in timings.items() if k != "steps"))
         except Exception:
@@ -392,6 +412,7 @@ def main(argv=None):
     parser.add_argument("--gb-requests", type=int, default=256, help="requests given to generate_batch (0: skip)")
     parser.add_argument("--stock-requests", type=int, default=64, help="requests given to stock generate (0: skip)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--compile", action="store_true", help="hfpaged with patch(compile=True) (torch.compile in the decode graphs)")
     parser.add_argument("--out", default="bench_out", help="folder for benchmark.json and benchmark.png")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -124,6 +124,7 @@ class LayerRecord:
     """What discovery learned about one attention module."""
 
     module: torch.nn.Module
+    num_heads: int
     num_kv_heads: int
     head_dim: int
     head_dim_v: int
@@ -180,6 +181,7 @@ def _discover(context: ForwardContext, module, query, key, value, sliding_window
     context.records.append(
         LayerRecord(
             module=module,
+            num_heads=query.shape[1],
             num_kv_heads=key.shape[1],
             head_dim=key.shape[-1],
             head_dim_v=value.shape[-1],
@@ -206,6 +208,12 @@ def paged_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention-interface entry: q/k/v ``[1, heads, T, D]`` packed -> ``[1, T, heads, D]``."""
+    if "hfpaged_block_tables" in kwargs:  # compiled decode: the metadata came as forward kwargs
+        from .compiled import compiled_attention
+
+        if scaling is None:
+            scaling = 1.0 / math.sqrt(query.shape[-1])
+        return compiled_attention(module, query, key, value, scaling, sliding_window, softcap, kwargs), None
     context = _context
     if context is None:
         raise RuntimeError(

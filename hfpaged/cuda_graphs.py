@@ -1,8 +1,11 @@
 """CUDA graphs of the patched forward for decode steps, one per batch-size bucket.
 
 Each graph replays the whole model body plus the LM head for ``bucket`` one-token requests, reading
-its inputs from one static int32 buffer (the packed layout of ``step_inputs``) and writing logits
-into a static output. Graphs are captured largest first into one shared memory pool.
+its inputs from static device buffers and writing logits into a static output. The per-token part of
+the packed layout (``step_inputs``) lives in one small buffer; the block tables live in their own
+``[max_bucket, width]`` buffer, of which a step writes only the ``[batch, used columns]`` corner
+(the kernel never reads past a sequence's blocks). Graphs are captured largest first into one
+shared memory pool.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from .step_inputs import DeviceStep, device_views, packed_size
+from .attention import AttentionMetadata
+from .step_inputs import DeviceStep, packed_size
 
 if TYPE_CHECKING:
     from .patch import PatchState
@@ -36,12 +40,13 @@ class DecodeGraphs:
     def __init__(self, state: "PatchState", forward: Callable[[DeviceStep], torch.Tensor], width: int, max_seqlen_k: int):
         self.state = state
         self.forward = forward
-        self.width = width  # block-table columns every graph reads
+        self.width = width  # block-table columns every graph may read
         self.max_seqlen_k = max_seqlen_k  # the attention grid hint baked into the graphs
         self.buckets = batch_buckets(state.config.max_num_seqs)
         self.device = state.input_device
         largest = self.buckets[-1]
-        self.static = torch.zeros(packed_size(largest, largest, width), dtype=torch.int32, device=self.device)
+        self.static = torch.zeros(packed_size(largest, largest, 0), dtype=torch.int32, device=self.device)
+        self.static_block_tables = torch.zeros(largest, width, dtype=torch.int32, device=self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -52,7 +57,7 @@ class DecodeGraphs:
         return None
 
     def _dummy_inputs(self, bucket: int) -> np.ndarray:
-        packed = np.zeros(packed_size(bucket, bucket, self.width), dtype=np.int32)
+        packed = np.zeros(packed_size(bucket, bucket, 0), dtype=np.int32)
         o = 2 * bucket
         packed[o : o + bucket] = -1  # slot_mapping: store nothing
         o += bucket
@@ -64,7 +69,21 @@ class DecodeGraphs:
         return packed
 
     def _views(self, bucket: int) -> DeviceStep:
-        return device_views(self.static, bucket, bucket, self.width, 1, self.max_seqlen_k, bucket)
+        """The step tensors of a ``bucket``-request decode, as views of the static buffers."""
+        flat = self.static
+        ids, pos, slots = flat[:bucket], flat[bucket : 2 * bucket], flat[2 * bucket : 3 * bucket]
+        o = 3 * bucket
+        logits_indices, seq_lens = flat[o : o + bucket], flat[o + bucket : o + 2 * bucket]
+        cu_seqlens_q = flat[o + 2 * bucket : o + 3 * bucket + 1]
+        metadata = AttentionMetadata(
+            slot_mapping=slots,
+            block_tables=self.static_block_tables[:bucket],
+            seq_lens=seq_lens,
+            cu_seqlens_q=cu_seqlens_q,
+            max_seqlen_q=1,
+            max_seqlen_k=self.max_seqlen_k,
+        )
+        return DeviceStep(ids.long()[None], pos.long()[None], metadata, logits_indices.long())
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -74,6 +93,7 @@ class DecodeGraphs:
         for bucket in reversed(self.buckets):
             dummy = torch.from_numpy(self._dummy_inputs(bucket))
             self.static[: dummy.numel()].copy_(dummy)
+            self.static_block_tables.zero_()
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
@@ -86,8 +106,11 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         logger.info("hfpaged: captured %d decode CUDA graphs (batch %s)", len(self.graphs), self.buckets)
 
-    def replay(self, packed_host: torch.Tensor, bucket: int, num_sampled: int) -> torch.Tensor:
-        """Copy the packed inputs into the static buffer, replay, return logits ``[num_sampled, vocab]``."""
-        self.static[: packed_host.numel()].copy_(packed_host, non_blocking=True)
+    def replay(self, packed_host: torch.Tensor, bucket: int, width: int, num_sampled: int) -> torch.Tensor:
+        """Copy a packed decode step (built for ``bucket`` rows and ``width`` block columns) into the
+        static buffers, replay, return logits ``[num_sampled, vocab]``."""
+        small = packed_size(bucket, bucket, 0)
+        self.static[:small].copy_(packed_host[:small], non_blocking=True)
+        self.static_block_tables[:bucket, :width].copy_(packed_host[small:].view(bucket, width), non_blocking=True)
         self.graphs[bucket].replay()
         return self.outputs[bucket][:num_sampled]

@@ -211,6 +211,8 @@ def _allocate_caches(state: PatchState, num_blocks: int) -> None:
         for layer in state.layers
     ]
     state.pool = BlockPool(num_blocks)
+    for layer, caches in zip(state.layers, state.kv_caches):
+        layer.module._hfpaged_kv = caches
     if state.config.preemption_mode == "swap":
         from .swap import SwapSpace
 
@@ -275,6 +277,7 @@ def patch(
     except BaseException:
         for layer in layers:
             layer.module.__dict__.pop("_hfpaged_layer_idx", None)
+            layer.module.__dict__.pop("_hfpaged_kv", None)
         raise
     gib = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in state.kv_caches) / 2**30
     logger.info(
@@ -303,6 +306,7 @@ def unpatch(model: PreTrainedModel) -> PreTrainedModel:
         return model
     for layer in state.layers:
         layer.module.__dict__.pop("_hfpaged_layer_idx", None)
+        layer.module.__dict__.pop("_hfpaged_kv", None)
     for name in ("generate_many", "stream_many", "astream_many"):
         model.__dict__.pop(name, None)
     if state.runner is not None and hasattr(state.runner, "close"):

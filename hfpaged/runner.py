@@ -66,6 +66,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self._pinned: torch.Tensor | None = None
         self.num_graph_steps = 0
+        self._warmed = False
+        self._compiled = None
         self.num_eager_steps = 0
 
     # --- host -> device ---------------------------------------------------------------------------
@@ -109,8 +111,54 @@ class ModelRunner:
             logits = logits.index_select(0, keep.to(logits.device)) if isinstance(keep, torch.Tensor) else logits
         return logits
 
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Compile the Triton kernel variants a run will meet (decode tiles with and without context
+        splits, mixed and prefill tiles) up front, instead of inside the first steps that need them."""
+        if self._warmed or not self.state.use_triton or self.device.type != "cuda":
+            self._warmed = True
+            return
+        self._warmed = True
+        signatures: dict[tuple, int] = {}
+        for index, layer in enumerate(self.state.layers):
+            key = (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.head_dim_v, layer.dtype,
+                   layer.sliding_window, layer.softcap)
+            signatures.setdefault(key, index)
+        bs = self.block_size
+        capacity = self.state.pool.num_blocks * bs
+        for (num_heads, _, head_dim, _, dtype, window, softcap), index in signatures.items():
+            k_cache, v_cache = self.state.kv_caches[index]
+            device = k_cache.device
+            for q_len in (1, 2, 4, 8, 16, 32, 64, 256, 2048):
+                for num_seqs in (1, 64):
+                    context = min(max(q_len, 4096), capacity)
+                    if q_len > context or num_seqs * q_len > max(self.state.config.max_num_batched_tokens, 64):
+                        continue
+                    num_blocks = -(-context // bs)
+                    block_tables = torch.arange(num_blocks, dtype=torch.int32, device=device).repeat(num_seqs, 1)
+                    seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=device)
+                    cu = torch.arange(0, (num_seqs + 1) * q_len, q_len, dtype=torch.int32, device=device)
+                    q = torch.randn(num_seqs * q_len, num_heads, head_dim, dtype=dtype, device=device)
+                    self.attention_fn(q, k_cache, v_cache, block_tables, seq_lens, cu, scale=head_dim**-0.5,
+                                      sliding_window=window, softcap=softcap, max_seqlen_q=q_len, max_seqlen_k=context)
+                    slots = torch.full((num_seqs * q_len,), -1, dtype=torch.int32, device=device)
+                    kv = torch.zeros(num_seqs * q_len, k_cache.shape[2], k_cache.shape[3], dtype=dtype, device=device)
+                    self.store_fn(kv, kv, k_cache, v_cache, slots)
+        torch.cuda.synchronize(self.device)
+
     def _graph_forward(self, step: DeviceStep) -> torch.Tensor:
-        return self.forward(step, logits_indices=0)  # every token of a decode batch is sampled
+        if not self.state.config.compile:
+            return self.forward(step, logits_indices=0)  # every token of a decode batch is sampled
+        if self._compiled is None:
+            from .compiled import compile_decode_forward
+
+            self._compiled = compile_decode_forward(self.model, self.graph_width * self.block_size)
+        meta = step.metadata
+        context = ForwardContext("paged", kv_caches=self.state.kv_caches, metadata=meta,
+                                 store_fn=self.store_fn, attention_fn=self.attention_fn)
+        with paged_mode(self.state, context):
+            return self._compiled(step.input_ids, step.position_ids, meta.slot_mapping, meta.block_tables,
+                                  meta.seq_lens, meta.cu_seqlens_q)
 
     def capture_graphs(self) -> None:
         """Capture the decode CUDA graphs now (otherwise done at the first decode step)."""
@@ -149,14 +197,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
         """Run one step; returns logits ``[num_sampled, vocab]`` and the requests they belong to."""
+        if not self._warmed:
+            self.warmup()
         if out.swap_out or out.swap_in:
             self._swap(out)
         if out.block_copies:
             self._copy_blocks(out.block_copies)
         bucket = self._graph_bucket(out)
         if bucket is not None:
-            host = build_host_step(out, self.block_size, pad_tokens=bucket, width=self.graph_width)
-            logits = self.graphs.replay(self._to_device(host.packed), bucket, host.num_sampled)
+            host = build_host_step(out, self.block_size, pad_tokens=bucket)
+            logits = self.graphs.replay(self._to_device(host.packed), bucket, host.width, host.num_sampled)
             self.num_graph_steps += 1
             return logits, host.sample_requests
         host: HostStep = build_host_step(out, self.block_size)

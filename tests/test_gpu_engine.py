@@ -54,3 +54,34 @@ def test_bf16_first_32_tokens_mostly_match():
     share = sum(r.token_ids == e for r, e in zip(results, expected)) / len(prompts)
     print(f"bf16: {share:.0%} of prompts match stock generate on all 32 tokens")
     assert sum(r.token_ids[0] == e[0] for r, e in zip(results, expected)) >= len(prompts) - 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
+def test_compiled_graphs_parity(arch):
+    model = make_model(arch).cuda()
+    prompts = random_prompts(LENGTHS, seed=5)
+    expected = reference_generate(model, prompts, max_new_tokens=16, do_sample=False)
+    hfpaged.patch(model, num_blocks=64, block_size=4, max_num_seqs=8, compile=True)
+    results = model.generate_many(prompts, max_new_tokens=16, do_sample=False)
+    assert [r.token_ids for r in results] == expected
+    assert model._hfpaged.runner.num_graph_steps > 0 and model._hfpaged.runner._compiled is not None
+
+
+def test_device_map_layers_on_two_devices_keep_their_kv_there():
+    """Layer 0 on the CPU, the rest on the GPU (accelerate-style placement): K/V live with each layer."""
+    model = make_model("llama")
+    prompts = random_prompts([5, 20, 9], seed=6)
+    expected = reference_generate(model, prompts, max_new_tokens=10, do_sample=False)
+    model.model.layers[1].cuda()
+    model.model.norm.cuda()
+    model.lm_head.cuda()
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    add_hook_to_module(model.model.layers[1], AlignDevicesHook(execution_device=torch.device("cuda:0"), io_same_device=False))
+    add_hook_to_module(model.model.norm, AlignDevicesHook(execution_device=torch.device("cuda:0"), io_same_device=False))
+    add_hook_to_module(model.lm_head, AlignDevicesHook(execution_device=torch.device("cuda:0"), io_same_device=False))
+    hfpaged.patch(model, num_blocks=32, block_size=4)
+    caches = model._hfpaged.kv_caches
+    assert caches[0][0].device.type == "cpu" and caches[1][0].device.type == "cuda"
+    results = model.generate_many(prompts, max_new_tokens=10, do_sample=False)
+    assert [r.token_ids for r in results] == expected
