@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .attention import AttentionMetadata
-from .step_inputs import DeviceStep, packed_size
+from .step_inputs import DeviceStep, packed_size, region_slices, tables_offset
 
 if TYPE_CHECKING:
     from .patch import PatchState
@@ -58,32 +58,28 @@ class DecodeGraphs:
 
     def _dummy_inputs(self, bucket: int) -> np.ndarray:
         packed = np.zeros(packed_size(bucket, bucket, 0), dtype=np.int32)
-        o = 2 * bucket
-        packed[o : o + bucket] = -1  # slot_mapping: store nothing
-        o += bucket
-        packed[o : o + bucket] = np.arange(bucket)  # logits_indices
-        o += bucket
-        packed[o : o + bucket] = 1  # seq_lens
-        o += bucket
-        packed[o : o + bucket + 1] = np.arange(bucket + 1)  # cu_seqlens_q
+        at = region_slices(bucket, bucket)
+        packed[at["slot_mapping"]] = -1  # store nothing
+        packed[at["logits_indices"]] = np.arange(bucket)
+        packed[at["seq_lens"]] = 1
+        packed[at["cu_seqlens_q"]] = np.arange(bucket + 1)
         return packed
 
     def _views(self, bucket: int) -> DeviceStep:
         """The step tensors of a ``bucket``-request decode, as views of the static buffers."""
-        flat = self.static
-        ids, pos, slots = flat[:bucket], flat[bucket : 2 * bucket], flat[2 * bucket : 3 * bucket]
-        o = 3 * bucket
-        logits_indices, seq_lens = flat[o : o + bucket], flat[o + bucket : o + 2 * bucket]
-        cu_seqlens_q = flat[o + 2 * bucket : o + 3 * bucket + 1]
+        flat, at = self.static, region_slices(bucket, bucket)
         metadata = AttentionMetadata(
-            slot_mapping=slots,
+            slot_mapping=flat[at["slot_mapping"]],
             block_tables=self.static_block_tables[:bucket],
-            seq_lens=seq_lens,
-            cu_seqlens_q=cu_seqlens_q,
+            seq_lens=flat[at["seq_lens"]],
+            cu_seqlens_q=flat[at["cu_seqlens_q"]],
             max_seqlen_q=1,
             max_seqlen_k=self.max_seqlen_k,
         )
-        return DeviceStep(ids.long()[None], pos.long()[None], metadata, logits_indices.long())
+        return DeviceStep(
+            flat[at["input_ids"]].long()[None], flat[at["positions"]].long()[None], metadata,
+            flat[at["logits_indices"]].long(),
+        )
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -109,7 +105,7 @@ class DecodeGraphs:
     def replay(self, packed_host: torch.Tensor, bucket: int, width: int, num_sampled: int) -> torch.Tensor:
         """Copy a packed decode step (built for ``bucket`` rows and ``width`` block columns) into the
         static buffers, replay, return logits ``[num_sampled, vocab]``."""
-        small = packed_size(bucket, bucket, 0)
+        small = tables_offset(bucket, bucket)
         self.static[:small].copy_(packed_host[:small], non_blocking=True)
         self.static_block_tables[:bucket, :width].copy_(packed_host[small:].view(bucket, width), non_blocking=True)
         self.graphs[bucket].replay()

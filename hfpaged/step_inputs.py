@@ -1,6 +1,7 @@
 """Per-step inputs packed into ONE int32 array on the host, copied to the device in one transfer.
 
-Layout of the packed array for a step of T tokens, R requests and block-table width W:
+Layout of the packed array for a step of T tokens, R requests and block-table width W (each
+region padded to a multiple of ALIGN elements):
 
     input_ids[T] | positions[T] | slot_mapping[T] | logits_indices[R] | seq_lens[R] |
     cu_seqlens_q[R + 1] | block_tables[R * W]
@@ -22,8 +23,29 @@ from .request import Request
 from .scheduler import SchedulerOutput
 
 
+ALIGN = 16  # elements: every region starts 64-byte aligned, so Triton's pointer-alignment
+# specialization sees the same alignment every step (no recompiles as the layout shifts)
+
+REGIONS = ("input_ids", "positions", "slot_mapping", "logits_indices", "seq_lens", "cu_seqlens_q")
+
+
+def region_slices(num_tokens: int, num_reqs: int) -> dict[str, slice]:
+    """Where each per-step array sits in the packed buffer; block tables follow at ``tables_offset``."""
+    lengths = (num_tokens, num_tokens, num_tokens, num_reqs, num_reqs, num_reqs + 1)
+    slices, o = {}, 0
+    for name, n in zip(REGIONS, lengths):
+        slices[name] = slice(o, o + n)
+        o += -(-n // ALIGN) * ALIGN
+    slices["block_tables"] = slice(o, None)
+    return slices
+
+
+def tables_offset(num_tokens: int, num_reqs: int) -> int:
+    return region_slices(num_tokens, num_reqs)["block_tables"].start
+
+
 def packed_size(num_tokens: int, num_reqs: int, width: int) -> int:
-    return 3 * num_tokens + 3 * num_reqs + 1 + num_reqs * width
+    return tables_offset(num_tokens, num_reqs) + num_reqs * width
 
 
 @dataclass
@@ -66,14 +88,10 @@ def build_host_step(
         raise ValueError(f"block table width {width} < {max_blocks} blocks of a scheduled request")
 
     packed = np.zeros(packed_size(num_tokens, num_reqs, width), dtype=np.int32)
-    o = 0
-    input_ids = packed[o : o + num_tokens]; o += num_tokens  # noqa: E702
-    positions = packed[o : o + num_tokens]; o += num_tokens  # noqa: E702
-    slot_mapping = packed[o : o + num_tokens]; o += num_tokens  # noqa: E702
-    logits_indices = packed[o : o + num_reqs]; o += num_reqs  # noqa: E702
-    seq_lens = packed[o : o + num_reqs]; o += num_reqs  # noqa: E702
-    cu_seqlens_q = packed[o : o + num_reqs + 1]; o += num_reqs + 1  # noqa: E702
-    block_tables = packed[o:].reshape(num_reqs, width)
+    at = region_slices(num_tokens, num_reqs)
+    input_ids, positions, slot_mapping = packed[at["input_ids"]], packed[at["positions"]], packed[at["slot_mapping"]]
+    logits_indices, seq_lens, cu_seqlens_q = packed[at["logits_indices"]], packed[at["seq_lens"]], packed[at["cu_seqlens_q"]]
+    block_tables = packed[at["block_tables"]].reshape(num_reqs, width)
 
     cu_real = np.zeros(num_real + 1, dtype=np.int64)
     np.cumsum(q_lens, out=cu_real[1:])
@@ -126,21 +144,11 @@ def device_views(
     num_sampled: int,
 ) -> DeviceStep:
     """Slice a device int32 buffer holding a packed step into the tensors the forward reads."""
-    o = 0
-
-    def take(n: int) -> torch.Tensor:
-        nonlocal o
-        view = buffer[o : o + n]
-        o += n
-        return view
-
-    input_ids = take(num_tokens)
-    positions = take(num_tokens)
-    slot_mapping = take(num_tokens)
-    logits_indices = take(num_reqs)
-    seq_lens = take(num_reqs)
-    cu_seqlens_q = take(num_reqs + 1)
-    block_tables = take(num_reqs * width).view(num_reqs, width)
+    at = region_slices(num_tokens, num_reqs)
+    input_ids, positions, slot_mapping = buffer[at["input_ids"]], buffer[at["positions"]], buffer[at["slot_mapping"]]
+    logits_indices, seq_lens, cu_seqlens_q = buffer[at["logits_indices"]], buffer[at["seq_lens"]], buffer[at["cu_seqlens_q"]]
+    start = at["block_tables"].start
+    block_tables = buffer[start : start + num_reqs * width].view(num_reqs, width)
     metadata = AttentionMetadata(
         slot_mapping=slot_mapping,
         block_tables=block_tables,
