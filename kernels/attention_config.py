@@ -1,0 +1,94 @@
+"""Tile configurations for paged_attention, chosen from host integers only (CUDA-graph safe)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._checks import next_power_of_2
+
+# Rows of one program's tile (query positions x query heads of one KV group) at or below which a
+# batch counts as decode-like: small M tile, and the context may be split across programs.
+DECODE_MAX_ROWS = 64
+# Split-context (flash-decoding) limits.
+MAX_SPLITS = 64
+MIN_KEYS_PER_SPLIT = 128  # H100 sweep: B=1 x 2k decode 685 GB/s with 16 splits vs 563 with 8
+PROGRAMS_PER_SM = 2
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """One launch shape: BLOCK_M rows x TILE_N keys per step; num_splits > 1 = split context + merge."""
+
+    block_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int = 1
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # Triton interpreter: a tiny "GPU", so CPU tests exercise the split path
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _cuda_sm_count(index: int) -> int:
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+def split_count(active_programs: int, max_seqlen_k: int, sm_count: int, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Context splits that bring ``active_programs`` up to ``programs_per_sm`` per SM (1 = no split)."""
+    target = programs_per_sm * sm_count
+    if active_programs >= target:
+        return 1
+    splits = min(-(-target // max(active_programs, 1)), max_seqlen_k // MIN_KEYS_PER_SPLIT, MAX_SPLITS)
+    return max(1, splits)
+
+
+def decode_like(max_seqlen_q: int, group: int) -> bool:
+    """Whether a batch whose longest query run is ``max_seqlen_q`` uses the decode tiles."""
+    return max_seqlen_q * group <= DECODE_MAX_ROWS
+
+
+def choose_config(
+    *,
+    num_tokens: int,
+    num_seqs: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim_pad: int,
+    elem_size: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    device: torch.device,
+) -> AttentionConfig:
+    """Pick tiles and the number of context splits from shapes and the host hints (never device values)."""
+    if decode_like(max_seqlen_q, group):
+        block_m = max(16, next_power_of_2(max_seqlen_q * group))
+        if elem_size == 4:
+            tile_n = 32 if head_dim_pad <= 128 else 16
+        else:
+            tile_n = 64 if head_dim_pad <= 128 else 32
+        num_warps, num_stages = 4, 2  # H100 sweep: 2 stages beat 3-4 (more programs resident per SM)
+        block_q = max(1, block_m // group)
+        active_programs = min(num_tokens, num_seqs * -(-max_seqlen_q // block_q)) * num_kv_heads
+        num_splits = split_count(active_programs, max_seqlen_k, _sm_count(device))
+        return AttentionConfig(block_m, tile_n, num_warps, num_stages, num_splits)
+    if elem_size == 4:
+        block_m, tile_n, num_warps, num_stages = (64, 32, 4, 2) if head_dim_pad <= 128 else (32, 32, 4, 2)
+    elif head_dim_pad <= 128:
+        # H100 sweep (bf16, hd 128): 128 x 128 / 8 warps best for long prompts, 128 x 32 / 4 warps
+        # for batches of ~1k-token prompts (more, shorter programs).
+        long = max_seqlen_q > 1536
+        block_m, tile_n, num_warps, num_stages = (128, 128, 8, 3) if long else (128, 32, 4, 3)
+    else:
+        block_m, tile_n, num_warps, num_stages = 64, 64, 4, 2
+    block_m = max(block_m, next_power_of_2(group))
+    return AttentionConfig(block_m, tile_n, num_warps, num_stages, 1)

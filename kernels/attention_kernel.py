@@ -1,0 +1,333 @@
+"""The paged-attention Triton kernel (see paged_attention.py for the wrapper and the design)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _locate_sequence(
+    cu_seqlens_q_ptr, seq_lens_ptr, program, num_seqs, BLOCK_Q: tl.constexpr, SEARCH_BLOCK: tl.constexpr
+):
+    # -> (seq, q_start, q_end, seq_len) of the sequence owning this program. Sequence b's first
+    # program id is cu[b] // BLOCK_Q + b (cu[b] when BLOCK_Q == 1); these never decrease, so seq =
+    # (number of first ids <= program) - 1. With num_seqs + 1 <= SEARCH_BLOCK, one round trip of
+    # vector loads (cu and seq_lens together) answers everything; otherwise count chunk by chunk.
+    if num_seqs + 1 <= SEARCH_BLOCK:
+        b = tl.arange(0, SEARCH_BLOCK)
+        cu = tl.load(cu_seqlens_q_ptr + b, mask=b <= num_seqs, other=1 << 30)
+        lens = tl.load(seq_lens_ptr + b, mask=b < num_seqs, other=0)
+        if BLOCK_Q > 1:
+            first = cu // BLOCK_Q + b
+        else:
+            first = cu
+        seq = tl.sum((first <= program).to(tl.int32), 0) - 1
+        q_start = tl.sum(tl.where(b == seq, cu, 0), 0)
+        q_end = tl.sum(tl.where(b == seq + 1, cu, 0), 0)
+        seq_len = tl.sum(tl.where(b == seq, lens, 0), 0)
+    else:
+        count = 0
+        for chunk in range(0, tl.cdiv(num_seqs, SEARCH_BLOCK)):
+            b = chunk * SEARCH_BLOCK + tl.arange(0, SEARCH_BLOCK)
+            first = tl.load(cu_seqlens_q_ptr + b, mask=b < num_seqs, other=1 << 30)
+            if BLOCK_Q > 1:
+                first = first // BLOCK_Q + b
+            count += tl.sum((first <= program).to(tl.int32), 0)
+        seq = count - 1
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_end = tl.load(cu_seqlens_q_ptr + seq + 1)
+        seq_len = tl.load(seq_lens_ptr + seq)
+    return seq, q_start, q_end, seq_len
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from exp2, saturating cleanly to +-1 for large |x| (no libdevice dependence).
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def _attend_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    tile,
+    q_pos,  # [BLOCK_M] absolute position of each row's query
+    kv_end,  # keys at or past this position are never loaded
+    k_head_ptr,  # k_cache at this program's KV head
+    v_head_ptr,
+    block_table_row_ptr,  # [max_blocks] of this sequence
+    qk_scale,  # sm_scale * log2(e); with softcap: sm_scale / softcap
+    softcap,  # softcap * log2(e)
+    window,
+    stride_k_b,
+    stride_k_s,
+    stride_k_d,
+    stride_v_b,
+    stride_v_s,
+    stride_v_d,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    HEAD_DIM_V_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # One TILE_N-key step of the online softmax (log2 domain) for all rows of the program.
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    k_pos = tile * TILE_N + offs_n
+    if MASKED:
+        key_ok = k_pos < kv_end
+        block_ids = tl.load(block_table_row_ptr + k_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    else:
+        block_ids = tl.load(block_table_row_ptr + k_pos // BLOCK_SIZE).to(tl.int64)
+    slot_in_block = k_pos % BLOCK_SIZE
+    k_ptrs = (
+        k_head_ptr + (block_ids * stride_k_b + slot_in_block * stride_k_s)[None, :] + offs_d[:, None] * stride_k_d
+    )  # [HEAD_DIM_PAD, TILE_N]
+    v_ptrs = (
+        v_head_ptr + (block_ids * stride_v_b + slot_in_block * stride_v_s)[:, None] + offs_dv[None, :] * stride_v_d
+    )  # [TILE_N, HEAD_DIM_V_PAD]
+    if MASKED:
+        k_mask = key_ok[None, :]
+        v_mask = key_ok[:, None]
+        if HEAD_DIM_PAD != HEAD_DIM:
+            k_mask = k_mask & (offs_d < HEAD_DIM)[:, None]
+        if HEAD_DIM_V_PAD != HEAD_DIM_V:
+            v_mask = v_mask & (offs_dv < HEAD_DIM_V)[None, :]
+        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    else:
+        if HEAD_DIM_PAD != HEAD_DIM:
+            k = tl.load(k_ptrs, mask=(offs_d < HEAD_DIM)[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        if HEAD_DIM_V_PAD != HEAD_DIM_V:
+            v = tl.load(v_ptrs, mask=(offs_dv < HEAD_DIM_V)[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+
+    s = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N] fp32
+    if USE_SOFTCAP:
+        s = softcap * _tanh(s * qk_scale)  # already scaled, log2 domain
+        mult = 1.0
+    else:
+        mult = qk_scale  # folded into the exponent below (one FMA per score)
+    if MASKED:
+        allowed = k_pos[None, :] <= q_pos[:, None]
+        if USE_WINDOW:
+            allowed = allowed & ((q_pos[:, None] - k_pos[None, :]) < window)
+        s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
+    if MASKED:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet keep zero weight
+    else:
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s * mult - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # in-place accumulate
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_tiles(
+    acc,
+    m_i,
+    l_i,
+    q,
+    tile_begin,
+    tile_end,
+    q_pos,
+    kv_end,
+    k_head_ptr,
+    v_head_ptr,
+    block_table_row_ptr,
+    qk_scale,
+    softcap,
+    window,
+    stride_k_b,
+    stride_k_s,
+    stride_k_d,
+    stride_v_b,
+    stride_v_s,
+    stride_v_d,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    HEAD_DIM_V_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    for tile in range(tile_begin, tile_end):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, tile, q_pos, kv_end, k_head_ptr, v_head_ptr, block_table_row_ptr,
+            qk_scale, softcap, window, stride_k_b, stride_k_s, stride_k_d, stride_v_b, stride_v_s, stride_v_d,
+            HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_SIZE, TILE_N,
+            USE_SOFTCAP, USE_WINDOW, MASKED, DOT_PRECISION,
+        )  # fmt: skip
+    return acc, m_i, l_i
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "window"])
+def _paged_attention_kernel(
+    out_ptr,  # [T, num_heads, HEAD_DIM_V] (written when SPLIT is False)
+    split_acc_ptr,  # [T, num_heads, num_splits, HEAD_DIM_V_PAD] fp32 (written when SPLIT)
+    split_max_ptr,  # [T, num_heads, num_splits] fp32, log2 domain
+    split_sum_ptr,  # [T, num_heads, num_splits] fp32
+    q_ptr,  # [T, num_heads, HEAD_DIM]
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
+    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM_V]
+    block_tables_ptr,  # [B, max_blocks] int32
+    seq_lens_ptr,  # [B] int32
+    cu_seqlens_q_ptr,  # [B + 1] int32
+    num_seqs,
+    num_splits,
+    qk_scale,
+    softcap,
+    window,
+    stride_q_t,
+    stride_q_h,
+    stride_q_d,
+    stride_k_b,
+    stride_k_s,
+    stride_k_h,
+    stride_k_d,
+    stride_v_b,
+    stride_v_s,
+    stride_v_h,
+    stride_v_d,
+    stride_bt_b,
+    stride_out_t,
+    stride_out_h,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    HEAD_DIM_V_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
+):
+    program = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq, q_start, q_end, seq_len = _locate_sequence(
+        cu_seqlens_q_ptr, seq_lens_ptr, program, num_seqs, BLOCK_Q, SEARCH_BLOCK
+    )
+    q_len = q_end - q_start
+    if BLOCK_Q > 1:
+        # Last query block first: the heaviest causal blocks start early, the light ones fill the tail.
+        num_q_blocks = tl.cdiv(q_len, BLOCK_Q)
+        q_block = num_q_blocks - 1 - (program - (q_start // BLOCK_Q + seq))
+        if q_block < 0:
+            return
+    else:
+        q_block = program - q_start
+    context_len = seq_len - q_len
+
+    # Rows: BLOCK_Q query positions x GROUP heads (padding rows past BLOCK_Q * GROUP or q_len).
+    offs_m = tl.arange(0, BLOCK_M)
+    q_local = q_block * BLOCK_Q + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (q_local < q_len)
+    q_pos = context_len + q_local
+    token = (q_start + q_local).to(tl.int64)
+
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    q_mask = row_ok[:, None]
+    if HEAD_DIM_PAD != HEAD_DIM:
+        q_mask = q_mask & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(
+        q_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
+        mask=q_mask,
+        other=0.0,
+    )
+
+    # Key range of this program: [kv_begin, kv_end); tiles in [full_begin, full_end) need no mask.
+    q_first = context_len + q_block * BLOCK_Q
+    q_last = context_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
+    kv_end = q_last + 1
+    if USE_WINDOW:
+        kv_begin = tl.maximum(q_first - window + 1, 0)
+        full_begin = tl.maximum(q_last - window + 1, 0)
+    else:
+        kv_begin = 0
+        full_begin = 0
+    tile_begin = kv_begin // TILE_N
+    tile_end = tl.cdiv(kv_end, TILE_N)
+    if SPLIT:
+        tiles_per_split = tl.cdiv(tile_end - tile_begin, num_splits)
+        tile_begin = tile_begin + split * tiles_per_split
+        tile_end = tl.minimum(tile_end, tile_begin + tiles_per_split)
+    full_tile_begin = tl.maximum(tl.minimum(tl.cdiv(full_begin, TILE_N), tile_end), tile_begin)
+    full_tile_end = tl.maximum(tl.minimum((q_first + 1) // TILE_N, tile_end), full_tile_begin)
+
+    k_head_ptr = k_cache_ptr + kv_head * stride_k_h
+    v_head_ptr = v_cache_ptr + kv_head * stride_v_h
+    block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_b
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, tile_begin, full_tile_begin, q_pos, kv_end, k_head_ptr, v_head_ptr,
+        block_table_row_ptr, qk_scale, softcap, window,
+        stride_k_b, stride_k_s, stride_k_d, stride_v_b, stride_v_s, stride_v_d,
+        HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_SIZE, TILE_N,
+        USE_SOFTCAP, USE_WINDOW, True, DOT_PRECISION,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, full_tile_begin, full_tile_end, q_pos, kv_end, k_head_ptr, v_head_ptr,
+        block_table_row_ptr, qk_scale, softcap, window,
+        stride_k_b, stride_k_s, stride_k_d, stride_v_b, stride_v_s, stride_v_d,
+        HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_SIZE, TILE_N,
+        USE_SOFTCAP, USE_WINDOW, False, DOT_PRECISION,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, full_tile_end, tile_end, q_pos, kv_end, k_head_ptr, v_head_ptr,
+        block_table_row_ptr, qk_scale, softcap, window,
+        stride_k_b, stride_k_s, stride_k_d, stride_v_b, stride_v_s, stride_v_d,
+        HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_SIZE, TILE_N,
+        USE_SOFTCAP, USE_WINDOW, True, DOT_PRECISION,
+    )  # fmt: skip
+
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    if SPLIT:
+        row = (token * NUM_HEADS + head) * num_splits + split  # [BLOCK_M] int64
+        tl.store(split_acc_ptr + row[:, None] * HEAD_DIM_V_PAD + offs_dv[None, :], acc, mask=row_ok[:, None])
+        tl.store(split_max_ptr + row, m_i, mask=row_ok)
+        tl.store(split_sum_ptr + row, l_i, mask=row_ok)
+    else:
+        _store_rows(out_ptr, acc, l_i, token, head, row_ok, stride_out_t, stride_out_h, HEAD_DIM_V, HEAD_DIM_V_PAD)
+
+
+@triton.jit
+def _store_rows(out_ptr, acc, l_i, token, head, row_ok, stride_out_t, stride_out_h, HEAD_DIM_V: tl.constexpr,
+                HEAD_DIM_V_PAD: tl.constexpr):  # fmt: skip
+    # Normalise and write the valid rows of a [BLOCK_M, HEAD_DIM_V_PAD] accumulator.
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out_mask = row_ok[:, None]
+    if HEAD_DIM_V_PAD != HEAD_DIM_V:
+        out_mask = out_mask & (offs_dv < HEAD_DIM_V)[None, :]
+    out_ptrs = out_ptr + token[:, None] * stride_out_t + head[:, None] * stride_out_h + offs_dv[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)

@@ -1,0 +1,215 @@
+"""paged_attention: causal attention over a packed batch of sequences whose K/V live in the paged cache.
+
+One launch serves decodes, whole prompts and chunks after a cached prefix alike. Program
+(q_block, kv_head, split) owns BLOCK_Q consecutive query positions of one sequence times the GROUP
+query heads of one KV head (GQA packing: those rows form the M dimension of the tile, so every
+K/V tile is loaded once per KV group). It walks TILE_N keys at a time through the block table with
+an online softmax in fp32 (log2 domain). KV tiles wholly outside the causal range or the sliding
+window are never visited; tiles wholly inside skip the masking. With num_splits > 1 (decode-like
+batches that would not fill the GPU) each program covers 1/num_splits of its key range and writes
+an unnormalised partial (acc, max, sum) that ``_merge_splits_kernel`` combines (flash-decoding).
+
+Grid and workspace depend only on host integers (shapes and the max_seqlen hints), so the launch
+can be captured in a CUDA graph. Query blocks map to sequences on the device by counting over
+cu_seqlens_q: sequence b owns program ids [cu[b] // BLOCK_Q + b, ...), an upper bound of
+T // BLOCK_Q + B programs in all (exactly T when BLOCK_Q == 1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import FLOAT_DTYPES, check_devices, check_dim, check_tensor, next_power_of_2
+from .attention_config import AttentionConfig, choose_config
+from .attention_kernel import _paged_attention_kernel
+from .split_merge import _merge_splits_kernel
+
+LOG2E = 1.4426950408889634
+
+
+def _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q) -> None:
+    check_tensor("q", q, 3, FLOAT_DTYPES)
+    check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES)
+    check_tensor("v_cache", v_cache, 4, FLOAT_DTYPES)
+    check_tensor("block_tables", block_tables, 2, (torch.int32,))
+    check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
+    check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,))
+    check_devices(
+        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q
+    )
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dtype != q.dtype:
+            raise TypeError(f"{name} dtype {cache.dtype} differs from q dtype {q.dtype}; they must match")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    check_dim("k_cache", k_cache, 3, head_dim, "q.shape[2], head_dim")
+    check_dim("v_cache", v_cache, 0, k_cache.shape[0], "k_cache.shape[0], num_blocks")
+    check_dim("v_cache", v_cache, 1, k_cache.shape[1], "k_cache.shape[1], block_size")
+    check_dim("v_cache", v_cache, 2, num_kv_heads, "k_cache.shape[2], num_kv_heads")
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_heads (q.shape[1] = {num_heads}) must be a multiple of num_kv_heads (k_cache.shape[2] = {num_kv_heads})"
+        )
+    if head_dim > 256 or v_cache.shape[3] > 256:
+        raise ValueError(f"head_dim must be at most 256, got q {head_dim} and v_cache {v_cache.shape[3]}")
+    num_seqs = seq_lens.shape[0]
+    check_dim("block_tables", block_tables, 0, num_seqs, "seq_lens.shape[0], the number of sequences")
+    check_dim("cu_seqlens_q", cu_seqlens_q, 0, num_seqs + 1, "seq_lens.shape[0] + 1")
+
+
+def paged_attention_with_config(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    scale: float,
+    config: AttentionConfig,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """paged_attention with an explicit tile config (tests, tuning); arguments are not re-checked.
+
+    ``out`` (contiguous ``[T, num_heads, head_dim_v]`` in q's dtype) is written in place when given.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    head_dim_v = v_cache.shape[3]
+    group = num_heads // num_kv_heads
+    num_seqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, head_dim_v, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    block_m = max(config.block_m, next_power_of_2(group))
+    block_q = max(1, block_m // group)
+    num_programs = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
+    head_dim_v_pad = next_power_of_2(max(16, head_dim_v))
+    use_softcap = softcap is not None and softcap > 0
+    use_window = sliding_window is not None and sliding_window > 0
+    split = config.num_splits > 1
+    if split:
+        rows = num_tokens * num_heads * config.num_splits
+        split_acc = torch.empty(rows * head_dim_v_pad, dtype=torch.float32, device=q.device)
+        split_max = torch.empty(rows, dtype=torch.float32, device=q.device)
+        split_sum = torch.empty(rows, dtype=torch.float32, device=q.device)
+    else:
+        split_acc = split_max = split_sum = out  # unused
+    _paged_attention_kernel[(num_programs, num_kv_heads, config.num_splits)](
+        out,
+        split_acc,
+        split_max,
+        split_sum,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        num_seqs,
+        config.num_splits,
+        float(scale) / float(softcap) if use_softcap else float(scale) * LOG2E,
+        float(softcap) * LOG2E if use_softcap else 1.0,
+        int(sliding_window) if use_window else 0,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=next_power_of_2(max(16, head_dim)),
+        HEAD_DIM_V=head_dim_v,
+        HEAD_DIM_V_PAD=head_dim_v_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        TILE_N=config.tile_n,
+        USE_SOFTCAP=use_softcap,
+        USE_WINDOW=use_window,
+        SPLIT=split,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SEARCH_BLOCK=64 if num_seqs < 64 else (256 if num_seqs < 256 else 1024),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if split:
+        splits_pad = next_power_of_2(config.num_splits)
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out,
+            split_acc,
+            split_max,
+            split_sum,
+            config.num_splits,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM_V=head_dim_v,
+            HEAD_DIM_V_PAD=head_dim_v_pad,
+            SPLITS_PAD=splits_pad,
+            num_warps=4 if splits_pad * head_dim_v_pad <= 4096 else 8,
+        )
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+) -> torch.Tensor:
+    """Causal paged attention over a packed batch (GQA, sliding window, softcap) -> ``[T, num_heads, head_dim_v]``."""
+    _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
+    if not scale > 0:
+        raise ValueError(f"scale must be a positive float, got {scale!r}")
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    if max_seqlen_q is None or max_seqlen_k is None:
+        # No hints: read them off the device (one sync), and check the packing while at it.
+        cu = cu_seqlens_q.tolist()
+        if cu[-1] != num_tokens:
+            raise ValueError(f"cu_seqlens_q[-1] = {cu[-1]} must equal q.shape[0] = {num_tokens}")
+        if max_seqlen_q is None:
+            max_seqlen_q = max((cu[b + 1] - cu[b] for b in range(num_seqs)), default=0)
+        if max_seqlen_k is None:
+            max_seqlen_k = int(seq_lens.max()) if num_seqs else 0
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise TypeError(f"{name} must be a non-negative host int, got {value!r}")
+    config = choose_config(
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        num_kv_heads=num_kv_heads,
+        group=num_heads // num_kv_heads,
+        head_dim_pad=next_power_of_2(max(head_dim, v_cache.shape[3])),
+        elem_size=q.element_size(),
+        max_seqlen_q=max(1, max_seqlen_q),
+        max_seqlen_k=max_seqlen_k,
+        device=q.device,
+    )
+    return paged_attention_with_config(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        scale=scale,
+        config=config,
+        sliding_window=sliding_window,
+        softcap=softcap,
+    )

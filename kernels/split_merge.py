@@ -1,0 +1,38 @@
+"""Merge of split-context partials (flash-decoding): one program per (token, query head)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(
+    out_ptr,  # [T, NUM_HEADS, HEAD_DIM_V]
+    split_acc_ptr,  # [T, NUM_HEADS, num_splits, HEAD_DIM_V_PAD] fp32
+    split_max_ptr,  # [T, NUM_HEADS, num_splits] fp32
+    split_sum_ptr,  # [T, NUM_HEADS, num_splits] fp32
+    num_splits,
+    stride_out_t,
+    stride_out_h,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    HEAD_DIM_V_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    split_ok = offs_s < num_splits
+    row = (token * NUM_HEADS + head) * num_splits + offs_s
+    m = tl.load(split_max_ptr + row, mask=split_ok, other=float("-inf"))
+    l = tl.load(split_sum_ptr + row, mask=split_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits: exp2(-inf) = 0
+    denom = tl.sum(l * weight, 0)
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    acc = tl.load(split_acc_ptr + row[:, None] * HEAD_DIM_V_PAD + offs_dv[None, :], mask=split_ok[:, None], other=0.0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(
+        out_ptr + token * stride_out_t + head * stride_out_h + offs_dv,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_dv < HEAD_DIM_V,
+    )

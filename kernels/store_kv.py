@@ -1,0 +1,134 @@
+"""store_kv: scatter this step's key/value rows into the paged KV cache (one launch for K and V)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import FLOAT_DTYPES, check_devices, check_dim, check_tensor, next_power_of_2
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,  # [T, NUM_KV_HEADS, HEAD_DIM]
+    value_ptr,  # [T, NUM_KV_HEADS, HEAD_DIM_V]
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM]
+    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM_V]
+    slot_mapping_ptr,  # [T] int32/int64, -1 = skip
+    stride_key_t,
+    stride_key_h,
+    stride_key_d,
+    stride_value_t,
+    stride_value_h,
+    stride_value_d,
+    stride_k_cache_b,
+    stride_k_cache_s,
+    stride_k_cache_h,
+    stride_k_cache_d,
+    stride_v_cache_b,
+    stride_v_cache_s,
+    stride_v_cache_h,
+    stride_v_cache_d,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    HEAD_DIM_V_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    # One program per token: all heads of its K row and V row, as one [heads, head_dim] tile each.
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, HEADS_PAD)
+    head_mask = offs_h < NUM_KV_HEADS
+
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask = head_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k = tl.load(
+        key_ptr + token * stride_key_t + offs_h[:, None] * stride_key_h + offs_d[None, :] * stride_key_d,
+        mask=mask,
+    )
+    k_dst = (
+        k_cache_ptr
+        + block * stride_k_cache_b
+        + offset * stride_k_cache_s
+        + offs_h[:, None] * stride_k_cache_h
+        + offs_d[None, :] * stride_k_cache_d
+    )
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    mask_v = head_mask[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
+    v = tl.load(
+        value_ptr + token * stride_value_t + offs_h[:, None] * stride_value_h + offs_dv[None, :] * stride_value_d,
+        mask=mask_v,
+    )
+    v_dst = (
+        v_cache_ptr
+        + block * stride_v_cache_b
+        + offset * stride_v_cache_s
+        + offs_h[:, None] * stride_v_cache_h
+        + offs_dv[None, :] * stride_v_cache_d
+    )
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask_v)
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    num_warps: int | None = None,
+) -> None:
+    """Write key/value ``[T, num_kv_heads, head_dim]`` into the paged caches at ``slot_mapping`` (-1 = skip)."""
+    check_tensor("key", key, 3, FLOAT_DTYPES)
+    check_tensor("value", value, 3, FLOAT_DTYPES)
+    check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES)
+    check_tensor("v_cache", v_cache, 4, FLOAT_DTYPES)
+    check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
+    check_devices(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    check_dim("value", value, 0, num_tokens, "key.shape[0], the number of tokens")
+    check_dim("value", value, 1, num_kv_heads, "key.shape[1], num_kv_heads")
+    check_dim("slot_mapping", slot_mapping, 0, num_tokens, "key.shape[0], the number of tokens")
+    check_dim("k_cache", k_cache, 2, num_kv_heads, "key.shape[1], num_kv_heads")
+    check_dim("k_cache", k_cache, 3, head_dim, "key.shape[2], head_dim")
+    check_dim("v_cache", v_cache, 0, num_blocks, "k_cache.shape[0], num_blocks")
+    check_dim("v_cache", v_cache, 1, block_size, "k_cache.shape[1], block_size")
+    check_dim("v_cache", v_cache, 2, num_kv_heads, "key.shape[1], num_kv_heads")
+    check_dim("v_cache", v_cache, 3, value.shape[2], "value.shape[2], head_dim of V")
+    if num_tokens == 0:
+        return
+    head_dim_v = value.shape[2]
+    heads_pad = next_power_of_2(num_kv_heads)
+    tile = heads_pad * max(next_power_of_2(head_dim), next_power_of_2(head_dim_v))
+    if num_warps is None:
+        num_warps = min(8, max(1, tile // 256))
+    _store_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        *key.stride(),
+        *value.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        NUM_KV_HEADS=num_kv_heads,
+        HEADS_PAD=heads_pad,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=next_power_of_2(head_dim),
+        HEAD_DIM_V=head_dim_v,
+        HEAD_DIM_V_PAD=next_power_of_2(head_dim_v),
+        BLOCK_SIZE=block_size,
+        num_warps=num_warps,
+    )

@@ -1,0 +1,450 @@
+"""Triton kernels (hfpaged.kernels) against the torch reference in hfpaged.attention.
+
+Without CUDA the kernels run in Triton's interpreter (fp32/fp16 only: bf16 is broken there) at
+small sizes; with CUDA the same cases also run in bf16, plus the `gpu`-marked large cases.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before the kernels are imported (conftest.py does it too)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hfpaged.attention import paged_attention_torch, store_kv_torch  # noqa: E402
+from hfpaged.kernels import paged_attention, store_kv  # noqa: E402
+from hfpaged.kernels.attention_config import AttentionConfig  # noqa: E402
+from hfpaged.kernels.paged_attention import paged_attention_with_config  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def make_batch(
+    q_lens,
+    seq_lens,
+    *,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    dtype,
+    head_dim_v=None,
+    table_tail="poison",
+    q_view=True,
+    seed=0,
+):
+    """A packed batch over a shuffled, NaN-poisoned paged cache.
+
+    Slots past each sequence's length and spare blocks hold NaN; block-table entries past a
+    sequence's blocks are -1 (table_tail="minus1") or ids of NaN blocks ("poison"), so any read
+    the kernel should not make shows up in the output.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    needed = [_cdiv(s, block_size) for s in seq_lens]
+    num_spare = 3
+    num_blocks = sum(needed) + num_spare
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim_v, generator=gen)
+    perm = torch.randperm(num_blocks, generator=gen)
+    max_blocks = max(needed, default=0) + 2
+    block_tables = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)
+    spare = perm[sum(needed) :]
+    k_cache[spare] = float("nan")
+    v_cache[spare] = float("nan")
+    start = 0
+    for b, (seq_len, n) in enumerate(zip(seq_lens, needed)):
+        ids = perm[start : start + n]
+        start += n
+        block_tables[b, :n] = ids.int()
+        if table_tail == "poison":
+            block_tables[b, n:] = spare[torch.randint(0, num_spare, (max_blocks - n,), generator=gen)].int()
+        if n and seq_len % block_size:
+            k_cache[ids[-1], seq_len % block_size :] = float("nan")
+            v_cache[ids[-1], seq_len % block_size :] = float("nan")
+    cu = [0]
+    for q_len in q_lens:
+        cu.append(cu[-1] + q_len)
+    num_tokens = cu[-1]
+    if q_view:  # what the engine passes: query[0].transpose(0, 1) of a [1, H, T, D] tensor
+        q = torch.randn(1, num_heads, num_tokens, head_dim, generator=gen)[0].transpose(0, 1)
+    else:
+        q = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
+    to = dict(device=DEVICE)
+    return dict(
+        q=q.to(dtype=dtype, **to),
+        k_cache=k_cache.to(dtype=dtype, **to),
+        v_cache=v_cache.to(dtype=dtype, **to),
+        block_tables=block_tables.to(**to),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, **to),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, **to),
+    )
+
+
+def assert_close(out, ref, dtype):
+    tol = TOLERANCE[dtype]
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert not out.isnan().any(), f"NaN in {int(out.isnan().sum())} output elements"
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    rel = (out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)
+    assert rel < tol, f"relative error {rel:.2e} over {tol:.0e}"
+
+
+def poisoned_out(batch):
+    q, v_cache = batch["q"], batch["v_cache"]
+    return torch.full((q.shape[0], q.shape[1], v_cache.shape[3]), float("nan"), dtype=q.dtype, device=q.device)
+
+
+# (id, q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, window, softcap)
+CASES = [
+    ("decode_ragged", [1, 1, 1, 1], [1, 9, 33, 70], 4, 2, 64, 16, torch.float32, None, None),
+    ("decode_gqa8_hd96_bs8", [1, 1, 1], [5, 30, 64], 8, 1, 96, 8, torch.float16, None, None),
+    ("prefill_mha_bs32", [1, 20, 45], [1, 20, 45], 4, 4, 64, 32, torch.float32, None, None),
+    ("chunk_after_prefix_hd128", [8, 17], [40, 60], 4, 2, 128, 16, torch.float16, None, None),
+    ("mixed_empty_group3_window", [1, 0, 30, 5, 1], [25, 10, 30, 50, 3], 6, 2, 64, 8, torch.float32, 16, None),
+    ("window_softcap_hd256_bs64", [1, 24], [50, 24], 2, 1, 256, 64, torch.float16, 9, 4.0),
+    ("mixed_softcap_bs64", [3, 1, 12], [3, 70, 40], 4, 2, 64, 64, torch.float32, None, 2.0),
+]
+CASE_DTYPES = [None, torch.bfloat16] if CUDA else [None]
+
+
+@pytest.mark.parametrize("dtype_override", CASE_DTYPES, ids=lambda d: "bf16" if d else "base")
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_paged_attention_matches_reference(case, dtype_override):
+    _, q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, window, softcap = case
+    dtype = dtype_override or dtype
+    batch = make_batch(
+        q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, dtype=dtype, table_tail="minus1" if CUDA else "poison",
+    )  # fmt: skip
+    kwargs = dict(scale=head_dim**-0.5, sliding_window=window, softcap=softcap)
+    ref = paged_attention_torch(**batch, **kwargs)
+    assert not ref.isnan().any()
+    assert_close(paged_attention(**batch, **kwargs), ref, dtype)
+    hinted = paged_attention(**batch, **kwargs, max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens))
+    assert_close(hinted, ref, dtype)
+    # Forced configs: context split in 3 and 4 (16- and 32-key tiles: tiles span blocks when
+    # block_size 8) and a wide 64-row tile; each into a NaN-poisoned output, so unwritten rows show.
+    configs = (AttentionConfig(16, 16, 4, 1, num_splits=3), AttentionConfig(16, 32, 4, 1, num_splits=4),
+               AttentionConfig(64, 32, 4, 1))  # fmt: skip
+    for config in configs:
+        out = paged_attention_with_config(**batch, **kwargs, config=config, out=poisoned_out(batch))
+        assert_close(out, ref, dtype)
+
+
+# (block_size, head_dim, num_heads, num_kv_heads, dtype, window, softcap): every block size and
+# head dim once, on random mixes of decodes, prompts, chunks after a prefix and empty sequences.
+RANDOM_MIXES = [
+    (8, 128, 4, 1, torch.float16, 5, None),
+    (16, 256, 2, 2, torch.float32, None, 3.0),
+    (4, 96, 6, 3, torch.float32, 33, None),  # block_size 4: the engine's own GPU tests use it
+    (64, 64, 8, 2, torch.float16, 20, 10.0),
+]
+
+
+@pytest.mark.parametrize("dtype_override", CASE_DTYPES, ids=lambda d: "bf16" if d else "base")
+@pytest.mark.parametrize("mix", RANDOM_MIXES, ids=[f"bs{m[0]}_hd{m[1]}" for m in RANDOM_MIXES])
+def test_paged_attention_random_mixes(mix, dtype_override):
+    block_size, head_dim, num_heads, num_kv_heads, dtype, window, softcap = mix
+    dtype = dtype_override or dtype
+    gen = torch.Generator().manual_seed(block_size * head_dim)
+    seq_lens = torch.randint(1, 90, (6,), generator=gen).tolist()
+    kinds = torch.randint(0, 4, (6,), generator=gen).tolist()  # decode, prompt, chunk, empty
+    q_lens = [[1, s, max(1, s // 4), 0][k] for s, k in zip(seq_lens, kinds)]
+    batch = make_batch(q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                       block_size=block_size, dtype=dtype, seed=block_size)  # fmt: skip
+    kwargs = dict(scale=head_dim**-0.5, sliding_window=window, softcap=softcap)
+    ref = paged_attention_torch(**batch, **kwargs)
+    for config in (None, AttentionConfig(16, 32, 4, 1, num_splits=2), AttentionConfig(32, 16, 4, 1)):
+        if config is None:
+            out = paged_attention(**batch, **kwargs)
+        else:
+            out = paged_attention_with_config(**batch, **kwargs, config=config, out=poisoned_out(batch))
+        assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("num_seqs", [70, 1030], ids=["one_lookup_load", "chunked_lookup"])
+def test_paged_attention_many_sequences(num_seqs):
+    # Sequence lookup: one vector load for up to 1023 sequences, chunked counting beyond.
+    gen = torch.Generator().manual_seed(num_seqs)
+    seq_lens = torch.randint(1, 20, (num_seqs,), generator=gen).tolist()
+    q_lens = [int(k) for k in torch.randint(0, 2, (num_seqs,), generator=gen)]  # decodes and empties
+    batch = make_batch(q_lens, seq_lens, num_heads=2, num_kv_heads=1, head_dim=16, block_size=8,
+                       dtype=torch.float32)  # fmt: skip
+    ref = paged_attention_torch(**batch, scale=0.3)
+    out = paged_attention_with_config(**batch, scale=0.3, config=AttentionConfig(16, 16, 4, 1),
+                                      out=poisoned_out(batch))  # fmt: skip
+    assert_close(out, ref, torch.float32)
+
+
+def test_paged_attention_table_tails_minus_one():
+    batch = make_batch([1, 7], [19, 7], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8,
+                       dtype=torch.float32, table_tail="minus1", q_view=False)  # fmt: skip
+    ref = paged_attention_torch(**batch, scale=0.125)
+    assert_close(paged_attention(**batch, scale=0.125), ref, torch.float32)
+
+
+def test_paged_attention_no_queries():
+    batch = make_batch([0, 0], [5, 9], num_heads=2, num_kv_heads=1, head_dim=32, block_size=8, dtype=torch.float32)
+    out = paged_attention(**batch, scale=1.0, max_seqlen_q=1, max_seqlen_k=16)
+    assert out.shape == (0, 2, 32)
+
+
+def test_paged_attention_head_dim_v():
+    batch = make_batch([1, 9], [12, 9], num_heads=4, num_kv_heads=2, head_dim=64, head_dim_v=32,
+                       block_size=16, dtype=torch.float32)  # fmt: skip
+    ref = paged_attention_torch(**batch, scale=0.125)
+    assert_close(paged_attention(**batch, scale=0.125), ref, torch.float32)
+
+
+STORE_CASES = [
+    # (block_size, num_kv_heads, head_dim, dtype, slot dtype, non-contiguous key/value)
+    (16, 2, 64, torch.float32, torch.int64, True),
+    (8, 3, 96, torch.float16, torch.int32, False),
+    (64, 1, 256, torch.float16, torch.int64, True),
+]
+
+
+@pytest.mark.parametrize("block_size,num_kv_heads,head_dim,dtype,slot_dtype,view", STORE_CASES)
+def test_store_kv_matches_reference(block_size, num_kv_heads, head_dim, dtype, slot_dtype, view):
+    gen = torch.Generator().manual_seed(1)
+    num_blocks, num_tokens = 6, 13
+    if view:
+        key = torch.randn(1, num_kv_heads, num_tokens, head_dim, generator=gen)[0].transpose(0, 1)
+        value = torch.randn(1, num_kv_heads, num_tokens, head_dim, generator=gen)[0].transpose(0, 1)
+    else:
+        key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+        value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[[2, 5, 11]] = -1
+    sentinel = -777.0
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), sentinel, dtype=dtype)
+    v_cache = torch.full_like(k_cache, sentinel)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kv_torch(key.to(dtype), value.to(dtype), k_ref, v_ref, slots)
+    args = [t.to(DEVICE) for t in (key.to(dtype), value.to(dtype), k_cache, v_cache, slots.to(slot_dtype))]
+    store_kv(*args)
+    # Exact copy into the mapped slots; every other slot still holds the sentinel.
+    assert torch.equal(args[2].cpu(), k_ref)
+    assert torch.equal(args[3].cpu(), v_ref)
+    assert int((k_ref != sentinel).sum()) == (num_tokens - 3) * num_kv_heads * head_dim
+
+
+def test_store_kv_casts_to_cache_dtype():
+    key = torch.randn(4, 2, 32)
+    k_cache = torch.zeros(2, 8, 2, 32, dtype=torch.float16)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([3, 0, 9, 15])
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kv_torch(key, key * 2, k_ref, v_ref, slots)
+    dev = [t.to(DEVICE) for t in (key, key * 2, k_cache, v_cache, slots)]
+    store_kv(*dev)
+    assert torch.equal(dev[2].cpu(), k_ref) and torch.equal(dev[3].cpu(), v_ref)
+
+
+# ---- wrapper checks -------------------------------------------------------------------------
+
+
+def _small_batch(**overrides):
+    batch = make_batch([1, 3], [4, 3], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, dtype=torch.float32)
+    batch.update(overrides)
+    return batch
+
+
+@pytest.mark.parametrize(
+    "overrides,error,pattern",
+    [
+        (lambda b: dict(block_tables=b["block_tables"].long()), TypeError, "block_tables must have dtype in \\(int32\\)"),
+        (lambda b: dict(q=b["q"].half()), TypeError, "k_cache dtype torch.float32 differs from q dtype torch.float16"),
+        (lambda b: dict(q=b["q"][..., :16]), ValueError, r"k_cache.shape\[3\] must be 16 .*got 32"),
+        (lambda b: dict(q=b["q"][:, :3]), ValueError, r"num_heads \(q.shape\[1\] = 3\) must be a multiple of num_kv_heads"),
+        (lambda b: dict(seq_lens=b["seq_lens"][:1]), ValueError, r"block_tables.shape\[0\] must be 1"),
+        (lambda b: dict(cu_seqlens_q=b["cu_seqlens_q"][:2]), ValueError, r"cu_seqlens_q.shape\[0\] must be 3"),
+        (lambda b: dict(q=b["q"][0]), ValueError, "q must have 3 dimensions"),
+        (lambda b: dict(v_cache=b["v_cache"][:, :4]), ValueError, r"v_cache.shape\[1\] must be 8"),
+        (lambda b: dict(seq_lens=b["seq_lens"].to("meta")), ValueError, "seq_lens is on meta but q is on"),
+        (lambda b: dict(k_cache=[1, 2]), TypeError, "k_cache must be a torch.Tensor, got list"),
+    ],
+    ids=["table_dtype", "cache_dtype", "head_dim", "gqa", "num_seqs", "cu_len", "q_ndim", "block_size", "device", "type"],
+)
+def test_paged_attention_errors(overrides, error, pattern):
+    batch = _small_batch()
+    batch.update(overrides(batch))
+    with pytest.raises(error, match=pattern):
+        paged_attention(**batch, scale=1.0)
+
+
+def test_paged_attention_error_cu_seqlens_total():
+    batch = _small_batch()
+    batch["cu_seqlens_q"] = batch["cu_seqlens_q"].clone()
+    batch["cu_seqlens_q"][-1] = 5
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\] = 5 must equal q.shape\[0\] = 4"):
+        paged_attention(**batch, scale=1.0)
+
+
+def test_paged_attention_error_scale():
+    with pytest.raises(ValueError, match="scale must be a positive float, got 0.0"):
+        paged_attention(**_small_batch(), scale=0.0)
+
+
+def test_paged_attention_error_bad_hint():
+    with pytest.raises(TypeError, match="max_seqlen_k must be a non-negative host int"):
+        paged_attention(**_small_batch(), scale=1.0, max_seqlen_q=1, max_seqlen_k=torch.tensor(4))
+
+
+def test_paged_attention_error_cpu_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cpu = {k: v.cpu() for k, v in _small_batch().items()}
+    with pytest.raises(ValueError, match="need CUDA tensors, got cpu"):
+        paged_attention(**cpu, scale=1.0)
+
+
+def _store_args():
+    key = torch.randn(4, 2, 32, device=DEVICE)
+    cache = torch.zeros(3, 8, 2, 32, device=DEVICE)
+    return [key, key.clone(), cache, cache.clone(), torch.arange(4, device=DEVICE)]
+
+
+@pytest.mark.parametrize(
+    "index,replace,error,pattern",
+    [
+        (4, lambda a: a.float(), TypeError, "slot_mapping must have dtype in \\(int32, int64\\), got float32"),
+        (4, lambda a: a[:3], ValueError, r"slot_mapping.shape\[0\] must be 4"),
+        (1, lambda a: a[:, :1], ValueError, r"value.shape\[1\] must be 2"),
+        (2, lambda a: a[:, :, :1], ValueError, r"k_cache.shape\[2\] must be 2"),
+        (3, lambda a: a[:2], ValueError, r"v_cache.shape\[0\] must be 3"),
+        (0, lambda a: a.int(), TypeError, "key must have dtype in"),
+        (0, lambda a: a.to("meta"), ValueError, "value is on .* but key is on meta"),
+    ],
+    ids=["slot_dtype", "slot_len", "value_heads", "cache_heads", "v_blocks", "key_dtype", "device"],
+)
+def test_store_kv_errors(index, replace, error, pattern):
+    args = _store_args()
+    args[index] = replace(args[index])
+    with pytest.raises(error, match=pattern):
+        store_kv(*args)
+
+
+# ---- GPU: bf16 and large sizes --------------------------------------------------------------
+
+
+def _gpu_batch(q_lens, seq_lens, dtype=torch.bfloat16, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16):
+    return make_batch(q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                      block_size=block_size, dtype=dtype, table_tail="minus1")  # fmt: skip
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_prefill_4k_bf16():
+    batch = _gpu_batch([4096], [4096])
+    ref = paged_attention_torch(**batch, scale=128**-0.5)
+    assert_close(paged_attention(**batch, scale=128**-0.5), ref, torch.bfloat16)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_decode_32k_split_bf16():
+    batch = _gpu_batch([1, 1], [32768, 20000])
+    ref = paged_attention_torch(**batch, scale=128**-0.5)
+    out = paged_attention(**batch, scale=128**-0.5, max_seqlen_q=1, max_seqlen_k=32768)
+    assert_close(out, ref, torch.bfloat16)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_head_dim_256_window_softcap(dtype):
+    # Gemma-2-like: head_dim 256, GQA 2, window 512, softcap 50; decodes, a prompt and a chunk.
+    q_lens, seq_lens = [1, 1, 700, 300, 1], [3000, 90, 700, 1500, 513]
+    batch = _gpu_batch(q_lens, seq_lens, dtype=dtype, num_heads=8, num_kv_heads=4, head_dim=256)
+    kwargs = dict(scale=256**-0.5, sliding_window=512, softcap=50.0)
+    assert_close(paged_attention(**batch, **kwargs), paged_attention_torch(**batch, **kwargs), dtype)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size,head_dim", [(8, 64), (16, 96), (32, 128), (64, 64)])
+def test_gpu_mixed_batch_bf16(block_size, head_dim):
+    gen = torch.Generator().manual_seed(block_size)
+    seq_lens = torch.randint(1, 2500, (40,), generator=gen).tolist()
+    kinds = torch.randint(0, 4, (40,), generator=gen).tolist()  # decode, prompt, chunk, empty
+    q_lens = [[1, s, max(1, s // 3), 0][k] for s, k in zip(seq_lens, kinds)]
+    batch = _gpu_batch(q_lens, seq_lens, num_heads=16, num_kv_heads=4, head_dim=head_dim, block_size=block_size)
+    kwargs = dict(scale=head_dim**-0.5)
+    ref = paged_attention_torch(**batch, **kwargs)
+    assert_close(paged_attention(**batch, **kwargs), ref, torch.bfloat16)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_lens,seq_lens", [([1] * 6, [1, 100, 2000, 5000, 77, 4096]), ([1, 300, 2], [900, 300, 1200])])
+def test_gpu_fp32_is_exact(q_lens, seq_lens):
+    # fp32 inputs use IEEE fp32 dots (no tf32): the engine's fp32 parity tests depend on it.
+    batch = _gpu_batch(q_lens, seq_lens, dtype=torch.float32, num_heads=8, num_kv_heads=2)
+    out = paged_attention(**batch, scale=128**-0.5)
+    ref = paged_attention_torch(**batch, scale=128**-0.5)
+    assert_close(out, ref, torch.float32)
+    assert (out - ref).abs().max() < 2e-5
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_hints_do_not_sync():
+    batch = _gpu_batch([1] * 8, [100 * (i + 1) for i in range(8)])
+    prefill = _gpu_batch([64, 1], [64, 300])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = paged_attention(**batch, scale=0.1, max_seqlen_q=1, max_seqlen_k=1024)
+        paged_attention(**prefill, scale=0.1, max_seqlen_q=64, max_seqlen_k=300)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert_close(out, paged_attention_torch(**batch, scale=0.1), torch.bfloat16)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_cuda_graph_decode():
+    # Capture once with fixed shapes and hints; replay after changing lengths, tables and data in place.
+    static = _gpu_batch([1] * 4, [4000] * 4)
+    kwargs = dict(scale=128**-0.5, max_seqlen_q=1, max_seqlen_k=8192)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        paged_attention(**static, **kwargs)  # compile / warm up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention(**static, **kwargs)
+    for seq_lens in ([4000, 50, 900, 2048], [1, 1, 1, 1], [3999, 10, 901, 100]):
+        static["seq_lens"].copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        static["block_tables"].copy_(static["block_tables"][torch.randperm(4, device="cuda")])
+        for name in ("q", "k_cache", "v_cache"):
+            static[name].normal_()
+        graph.replay()
+        ref = paged_attention_torch(**static, scale=kwargs["scale"])
+        assert_close(out, ref, torch.bfloat16)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_store_kv_large_bf16():
+    num_tokens, num_kv_heads, head_dim, block_size, num_blocks = 5000, 8, 128, 16, 600
+    key = torch.randn(1, num_kv_heads, num_tokens, head_dim, device="cuda", dtype=torch.bfloat16)[0].transpose(0, 1)
+    value = torch.randn_like(key)
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens]
+    slots[::7] = -1
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), -7.0, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.full_like(k_cache, -7.0)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kv_torch(key, value, k_ref, v_ref, slots)
+    store_kv(key, value, k_cache, v_cache, slots.int())
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
