@@ -62,7 +62,8 @@ class ModelRunner:
             and self.supports_logits_to_keep
         )
         max_len = state.max_model_len or state.pool.num_blocks * self.block_size
-        self.graph_width = min(math.ceil(max_len / self.block_size), state.pool.num_blocks)
+        # a multiple of 16 columns: the kernels' block-table row stride keeps one Triton specialization
+        self.graph_width = -(-min(math.ceil(max_len / self.block_size), state.pool.num_blocks) // 16) * 16
         self.graphs: DecodeGraphs | None = None
         self._pinned: torch.Tensor | None = None
         self.num_graph_steps = 0
@@ -135,7 +136,9 @@ class ModelRunner:
                     if q_len > context or num_seqs * q_len > max(self.state.config.max_num_batched_tokens, 64):
                         continue
                     num_blocks = -(-context // bs)
-                    block_tables = torch.arange(num_blocks, dtype=torch.int32, device=device).repeat(num_seqs, 1)
+                    width = -(-num_blocks // 16) * 16  # as build_host_step pads it
+                    block_tables = torch.zeros(num_seqs, width, dtype=torch.int32, device=device)
+                    block_tables[:, :num_blocks] = torch.arange(num_blocks, dtype=torch.int32, device=device)
                     seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=device)
                     cu = torch.arange(0, (num_seqs + 1) * q_len, q_len, dtype=torch.int32, device=device)
                     q = torch.randn(num_seqs * q_len, num_heads, head_dim, dtype=dtype, device=device)

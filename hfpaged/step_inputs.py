@@ -82,8 +82,8 @@ def build_host_step(
         num_tokens = num_reqs = pad_tokens
     seq_lens_real = starts + q_lens
     max_blocks = max(len(s.request.block_ids) for s in items)
-    if width is None:
-        width = max_blocks
+    if width is None:  # a multiple of ALIGN: the kernels' row stride keeps one specialization
+        width = -(-max_blocks // ALIGN) * ALIGN
     elif max_blocks > width:
         raise ValueError(f"block table width {width} < {max_blocks} blocks of a scheduled request")
 
