@@ -13,7 +13,9 @@ Workloads:
 Stock generate runs padded batches of 64 on a subset (--stock-requests), counting only each
 request's own tokens. Also: batch-1 decode latency against the weight-bandwidth roofline, the share
 of allocated KV slots holding real tokens during the hfpaged run, and (--prefix) prefix caching
-on vs off over 256 requests sharing a 1,024-token system prompt.
+on vs off over 256 requests sharing a 1,024-token system prompt, and (--sections parallel) the peak
+KV blocks of n=4 parallel sampling (8 prompts of 1,024 tokens, 128 new) vs 4 independent requests
+per prompt, prefix caching off for both.
 """
 
 from __future__ import annotations
@@ -248,6 +250,44 @@ def prefix_caching(model, num_requests=256, system_len=1024, question_len=(16, 6
     return out
 
 
+def parallel_sampling_kv(model, prompts, n=4, new_tokens=128, seed=0, **patch_options):
+    """Peak KV blocks in use: each prompt with num_return_sequences=n (the samples share the prompt's blocks)
+    vs the same prompt given n times as independent requests. Prefix caching is off for both runs, so the
+    independent requests share nothing. Works on any device (tests call it with a tiny model on CPU).
+    """
+    import hfpaged
+
+    hfpaged.patch(model, **{**patch_options, "enable_prefix_caching": False})
+    settings = dict(max_new_tokens=new_tokens, do_sample=True, top_k=50, eos_token_id=None)
+
+    def run(requests):
+        engine = hfpaged.Engine(model)
+        pool = engine.state.pool
+        for i, (prompt, extra) in enumerate(requests):
+            engine.add_request(prompt, seed=seed + i, **settings, **extra)
+        peak = num_tokens = 0
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            num_tokens += sum(len(o.new_token_ids) for o in engine.step())
+            peak = max(peak, pool.num_used_blocks)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        assert pool.all_free()
+        return {"peak_blocks": peak, "tokens": num_tokens, "seconds": time.perf_counter() - t0}
+
+    state = model._hfpaged
+    out = {
+        "n": n, "num_prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "new_tokens": new_tokens,
+        "block_size": state.config.block_size, "block_bytes": sum(state.block_bytes().values()),
+        "parallel": run([(p, {"num_return_sequences": n}) for p in prompts]),
+        "independent": run([(p, {}) for p in prompts for _ in range(n)]),
+    }
+    out["block_ratio"] = out["parallel"]["peak_blocks"] / out["independent"]["peak_blocks"]
+    return out
+
+
 def bench_model(name, args, bandwidth):
     import hfpaged
 
@@ -335,6 +375,20 @@ def bench_model(name, args, bandwidth):
             res["prefix_error"] = traceback.format_exc()
             log(res["prefix_error"])
         hfpaged.unpatch(model)
+    if "parallel" in args.sections:
+        try:
+            gen = torch.Generator().manual_seed(2)
+            prompts = [torch.randint(10, vocab - 10, (1024,), generator=gen).tolist() for _ in range(8)]
+            res["parallel_sampling"] = ps = parallel_sampling_kv(model, prompts, n=4, new_tokens=128,
+                                                                 max_num_seqs=args.max_num_seqs)
+            mib = ps["block_bytes"] / 2**20
+            log(f"parallel sampling (8 prompts of 1024, n=4, 128 new): peak KV {ps['parallel']['peak_blocks']} blocks "
+                f"({ps['parallel']['peak_blocks'] * mib:,.0f} MiB) vs {ps['independent']['peak_blocks']} blocks "
+                f"({ps['independent']['peak_blocks'] * mib:,.0f} MiB) as 32 independent requests = {ps['block_ratio']:.2f}x")
+        except Exception:
+            res["parallel_error"] = traceback.format_exc()
+            log(res["parallel_error"])
+        hfpaged.unpatch(model)
     del model
     gc.collect()
     torch.cuda.empty_cache()
@@ -367,6 +421,10 @@ def table(results, bandwidth):
         if "prefix_caching" in r:
             p = r["prefix_caching"]
             lines.append(f"{r['model']:14} prefix caching on/off: {p['on']['tokens_per_s']:,.0f} / {p['off']['tokens_per_s']:,.0f} tok/s = {p['speedup']:.2f}x")
+        if "parallel_sampling" in r:
+            p = r["parallel_sampling"]
+            lines.append(f"{r['model']:14} n={p['n']} sampling peak KV blocks: {p['parallel']['peak_blocks']} shared vs "
+                         f"{p['independent']['peak_blocks']} independent = {p['block_ratio']:.2f}x")
     return "\n".join(lines)
 
 
@@ -407,7 +465,7 @@ def main(argv=None):
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.2-1b"], choices=list(MODELS))
     parser.add_argument("--workloads", nargs="+", default=["nano", "chat"], choices=["nano", "chat"])
     parser.add_argument("--sections", nargs="+", default=["latency", "generate_batch", "stock"],
-                        choices=["latency", "generate_batch", "stock", "prefix"])
+                        choices=["latency", "generate_batch", "stock", "prefix", "parallel"])
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--gb-requests", type=int, default=256, help="requests given to generate_batch (0: skip)")
     parser.add_argument("--stock-requests", type=int, default=64, help="requests given to stock generate (0: skip)")

@@ -7,7 +7,7 @@
 
 from .config import EngineConfig
 from .engine import Engine, generate_many
-from .outputs import GenerationResult, RequestOutput
+from .outputs import GenerationResult, RequestOutput, SequenceOutput
 from .patch import patch, stats, unpatch
 from .streaming import StreamEvent, astream_many, stream_many
 
@@ -16,6 +16,7 @@ __all__ = [
     "EngineConfig",
     "GenerationResult",
     "RequestOutput",
+    "SequenceOutput",
     "StreamEvent",
     "astream_many",
     "generate_many",

@@ -10,7 +10,9 @@ from typing import Any, Sequence
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from .outputs import GenerationResult, RequestOutput
+from .beam_search import BeamGroup, take_beam_rows
+from .outputs import GenerationResult, RequestOutput, SequenceOutput
+from .parallel_sampling import SampleGroup, add_sample_rows
 from .params import ResolvedConfig, make_request_params, resolve_generation_config
 from .patch import PatchState, get_state, patch
 from .prompt_settings import CallOptions, PromptSpec, expand_prompts, split_call_options
@@ -61,10 +63,13 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.timings: dict[str, float] = defaultdict(float)  # host seconds per step phase, and "steps"
         self.stop_string_cache: dict = {}  # StopStringCriteria shared by requests with the same stop strings
+        # several sequences per prompt: parents that have not sampled yet, and beam searches in progress
+        self.unforked: set[Request] = set()
+        self.beam_groups: set[BeamGroup] = set()
 
     # --- requests -------------------------------------------------------------------------------
 
-    def validate_prompt(self, token_ids: list[int], index: int, max_length: int) -> None:
+    def validate_prompt(self, token_ids: list[int], index: int, max_length: int, num_beams: int = 1) -> None:
         """Raise ValueError (naming the prompt and the numbers) for a prompt that can never run."""
         state = self.state
         if not token_ids:
@@ -84,6 +89,13 @@ class Engine:
             raise ValueError(
                 f"prompt {index} needs up to {max_slots} KV slots ({blocks} blocks of {state.config.block_size}) "
                 f"but the pool holds only {state.pool.num_blocks} blocks; raise num_blocks or lower max_new_tokens"
+            )
+        # the beams of a group run (and, after a preemption, are recomputed) together: all must fit at once
+        if num_beams > 1 and num_beams * blocks > state.pool.num_blocks:
+            raise ValueError(
+                f"prompt {index} with num_beams={num_beams} needs up to {num_beams} x {blocks} blocks of "
+                f"{state.config.block_size} slots but the pool holds only {state.pool.num_blocks} blocks; "
+                "raise num_blocks or lower max_new_tokens"
             )
 
     def make_request(
@@ -112,13 +124,25 @@ class Engine:
             vocab_size=self.state.vocab_size,
             tokenizer=self.tokenizer,
             stop_string_cache=self.stop_string_cache,
+            device=self.state.input_device,
         )
-        self.validate_prompt(token_ids, index, params.max_length)
+        self.validate_prompt(token_ids, index, params.max_length, params.num_beams)
+        num_sequences = max(params.num_beams, params.num_return_sequences)
+        if num_sequences > self.state.config.max_num_seqs:
+            raise ValueError(
+                f"prompt {index} runs {num_sequences} sequences at once (num_beams / num_return_sequences) but "
+                f"max_num_seqs is {self.state.config.max_num_seqs}"
+            )
         if request_id is None:
             request_id = f"req-{next(_request_counter)}"
         elif request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        return Request(request_id, token_ids, params, index=index)
+        request = Request(request_id, token_ids, params, index=index)
+        if params.num_beams > 1:
+            BeamGroup(self.model, request, self.state.input_device)
+        elif params.num_return_sequences > 1:
+            SampleGroup(request, params.num_return_sequences)
+        return request
 
     def make_requests(
         self,
@@ -145,6 +169,10 @@ class Engine:
 
     def enqueue(self, request: Request) -> str:
         self.requests[request.request_id] = request
+        if request.sample_group is not None:
+            self.unforked.add(request)
+        if request.beam_group is not None:
+            self.beam_groups.add(request.beam_group)
         self.scheduler.add(request)
         return request.request_id
 
@@ -164,10 +192,22 @@ class Engine:
         return self.enqueue(request)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request now and return its blocks to the pool (no-op if it already finished)."""
+        """Stop a request - all sequences of its prompt - now and return its blocks (no-op once finished)."""
         request = self.requests.pop(request_id, None)
-        if request is not None and not request.is_finished:
-            self.scheduler.finish(request, "abort")
+        if request is None:
+            return
+        members = [request]
+        if request.sample_group is not None:
+            members = request.sample_group.members
+            self.unforked.discard(members[0])
+        elif request.beam_group is not None:
+            members = request.beam_group.members
+            request.beam_group.aborted = True
+            self.beam_groups.discard(request.beam_group)
+        for member in members:
+            self.requests.pop(member.request_id, None)
+            if not member.is_finished:
+                self.scheduler.finish(member, "abort")
 
     def abort_all(self) -> None:
         for request_id in list(self.requests):
@@ -190,6 +230,11 @@ class Engine:
         t1 = clock()
         logits, sample_requests = self.runner.execute(out)
         t2 = clock()
+        forks = beam_rows = None
+        if self.unforked:
+            logits, sample_requests, forks = add_sample_rows(logits, sample_requests, self.unforked)
+        if self.beam_groups:
+            logits, sample_requests, beam_rows = take_beam_rows(logits, sample_requests)
         sampled = {}
         if sample_requests:
             picked = self.sampler(logits, sample_requests)
@@ -198,7 +243,10 @@ class Engine:
                 if logprob is not None:
                     request.record_logprob(logprob, top)
         t3 = clock()
-        advanced = self.scheduler.update(out, sampled)
+        advanced = self.scheduler.update(out, sampled, forks)
+        if forks:
+            for children in forks.values():
+                self.requests.update((child.request_id, child) for child in children)
         timings = self.timings
         timings["schedule"] += t1 - t0
         timings["execute"] += t2 - t1  # host: inputs + launches (the device runs on asynchronously)
@@ -222,31 +270,104 @@ class Engine:
                     all_token_ids=request.all_token_ids,
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_tokens=request.num_tokens,
+                    sequence_index=request.sequence_index,
                 )
             )
+        if beam_rows:
+            outputs += self._advance_beams(beam_rows)
+        return outputs
+
+    def _advance_beams(self, beam_rows: list[tuple[Request, torch.Tensor]]) -> list[RequestOutput]:
+        """Hand the beams their rows; groups whose round is complete select. Finished searches report."""
+        ready = [request.beam_group for request, row in beam_rows if request.beam_group.take_row(request, row)]
+        outputs = []
+        for group in ready:
+            if not group.advance(self.scheduler):
+                continue
+            self.beam_groups.discard(group)
+            now = time.perf_counter()
+            root = group.members[0]
+            for member in group.members:
+                member.finish_time = now
+                self.requests.pop(member.request_id, None)
+            for i, sequence in enumerate(group.returned_sequences()):
+                all_token_ids = root.prompt_token_ids + sequence.token_ids
+                outputs.append(
+                    RequestOutput(
+                        request_id=root.request_id,
+                        index=root.index,
+                        new_token_ids=sequence.token_ids,
+                        finished=True,
+                        finish_reason=sequence.finish_reason,
+                        all_token_ids=all_token_ids,
+                        num_prompt_tokens=root.num_prompt_tokens,
+                        num_tokens=len(all_token_ids),
+                        sequence_index=i,
+                    )
+                )
         return outputs
 
 
+def _members(request: Request) -> list[Request]:
+    """Every request decoding a sequence of ``request``'s prompt (itself alone, unless there are several)."""
+    if request.sample_group is not None:
+        return request.sample_group.members
+    if request.beam_group is not None:
+        return request.beam_group.members
+    return [request]
+
+
+def is_prompt_finished(request: Request) -> bool:
+    """Whether every sequence of ``request``'s prompt has finished (``request``: the prompt's first request)."""
+    return request.num_forks_pending == 0 and all(m.is_finished for m in _members(request))
+
+
+def _sequences(request: Request, tokenizer: Any) -> list[SequenceOutput]:
+    """Every sequence returned for the prompt of ``request`` (a group's first request)."""
+
+    def decode(token_ids: list[int]) -> str | None:
+        return tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else None
+
+    if request.beam_group is not None:
+        return [
+            SequenceOutput(s.token_ids, decode(s.token_ids), s.finish_reason, score=s.score)
+            for s in request.beam_group.returned_sequences()
+        ]
+    return [
+        SequenceOutput(
+            token_ids=m.output_token_ids,
+            text=decode(m.output_token_ids),
+            finish_reason=m.finish_reason or "length",
+            logprobs=None if m.logprobs is None else list(m.logprobs),
+            top_logprobs=None if m.top_logprobs is None else list(m.top_logprobs),
+        )
+        for m in _members(request)
+    ]
+
+
 def build_result(request: Request, tokenizer: Any) -> GenerationResult:
-    """The GenerationResult of a finished (or aborted) request."""
-    token_ids = request.output_token_ids
-    text = tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else None
+    """The GenerationResult of a finished (or aborted) request, with every sequence of its prompt."""
+    sequences = _sequences(request, tokenizer)
+    first = sequences[0]
     metrics = {}
-    if request.first_token_time is not None and request.finish_time is not None:
-        latency = request.finish_time - request.arrival_time
+    finish_times = [m.finish_time for m in _members(request)]
+    if request.first_token_time is not None and None not in finish_times:
+        latency = max(finish_times) - request.arrival_time
+        num_tokens = sum(len(s.token_ids) for s in sequences)
         metrics = {
             "time_to_first_token": request.first_token_time - request.arrival_time,
             "latency": latency,
-            "tokens_per_second": len(token_ids) / latency if latency > 0 else 0.0,
+            "tokens_per_second": num_tokens / latency if latency > 0 else 0.0,
         }
     return GenerationResult(
         prompt_token_ids=request.prompt_token_ids,
-        token_ids=token_ids,
-        text=text,
-        finish_reason=request.finish_reason or "length",
+        token_ids=first.token_ids,
+        text=first.text,
+        finish_reason=first.finish_reason,
         metrics=metrics,
-        logprobs=None if request.logprobs is None else list(request.logprobs),
-        top_logprobs=None if request.top_logprobs is None else list(request.top_logprobs),
+        logprobs=first.logprobs,
+        top_logprobs=first.top_logprobs,
+        sequences=sequences,
     )
 
 
@@ -275,6 +396,10 @@ def generate_many(
     ``frequency_penalty``, ``logit_bias`` ({token id: value}, vLLM semantics, applied after the
     logits processors and before the sampling warpers), ``return_logprobs`` and ``top_logprobs``.
 
+    Several sequences per prompt: ``num_return_sequences=n`` with ``do_sample=True`` draws n samples that share
+    the prompt's KV blocks; ``num_beams=k`` runs transformers' beam search (``length_penalty``,
+    ``early_stopping``, ``num_return_sequences <= k``). Each result's ``sequences`` holds them all.
+
     Per prompt: ``generation_config`` may be a list (one config or None per prompt), and a prompt may be a
     dict ``{"prompt": ..., "generation_config": ..., **settings}`` whose config replaces the call's and
     whose settings (any of the above, ``seed`` included) override the call's keyword arguments.
@@ -289,6 +414,11 @@ def generate_many(
     if not prompts:
         return []
     requests = engine.make_requests(prompts, generation_config, kwargs)
+    if streamer is not None and len(_members(requests[0])) + requests[0].num_forks_pending > 1:
+        raise ValueError(
+            "streamer= streams one sequence: not with num_beams > 1 or num_return_sequences > 1 "
+            "(model.stream_many() streams parallel samples)"
+        )
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -308,7 +438,7 @@ def generate_many(
                 for output in outputs:
                     streamer.put(torch.tensor(output.new_token_ids))
             if bar is not None:
-                done = sum(1 for o in outputs if o.finished)
+                done = sum(1 for o in outputs if o.finished and o.sequence_index == 0)
                 if done:
                     bar.update(done)
                 elapsed = time.perf_counter() - start

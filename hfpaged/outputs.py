@@ -19,11 +19,24 @@ class RequestOutput:
     all_token_ids: list[int] = field(default_factory=list, repr=False)
     num_prompt_tokens: int = 0
     num_tokens: int = 0
+    sequence_index: int = 0  # which of its prompt's returned sequences (num_return_sequences > 1)
 
     @property
     def token_ids(self) -> list[int]:
         """Every token generated up to this step."""
         return self.all_token_ids[self.num_prompt_tokens : self.num_tokens]
+
+
+@dataclass
+class SequenceOutput:
+    """One of the sequences returned for a prompt (``num_return_sequences`` of them, best beam first)."""
+
+    token_ids: list[int]  # generated ids only, including the eos that stopped it
+    text: str | None
+    finish_reason: str
+    score: float | None = None  # beam search: generate's ``sequences_scores`` (length-penalized log-probability)
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -40,3 +53,6 @@ class GenerationResult:
     # most likely tokens per position, {token id: log-prob}, most likely first (impossible ones left out).
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
+    # Every returned sequence (one unless num_return_sequences > 1); token_ids, text, finish_reason and
+    # logprobs above are those of the first. Beam search: best first, in generate's order, with scores.
+    sequences: list[SequenceOutput] = field(default_factory=list)

@@ -58,6 +58,9 @@ class RequestParams:
     stop: StopRules = field(default_factory=StopRules)  # stop strings, max_time, user criteria
     return_logprobs: bool = False
     top_logprobs: int = 0
+    num_return_sequences: int = 1  # sequences returned for the prompt (parallel samples, or the best beams)
+    num_beams: int = 1
+    beam_processors: LogitsProcessorList | None = None  # beam search: generate's processors, run as generate runs them
 
     def __post_init__(self) -> None:
         self.stage_schedule = stage_schedule(self.stages)  # how run_stages orders and groups them
@@ -102,12 +105,10 @@ def _check_supported(config: GenerationConfig) -> None:
             raise ValueError(f"generate_many does not support {name}=True ({hint})")
     if config.guidance_scale is not None and config.guidance_scale != 1:
         raise ValueError(f"generate_many does not support guidance_scale={config.guidance_scale} (classifier-free guidance)")
-    if config.num_beams is not None and config.num_beams > 1:
-        raise ValueError(f"generate_many does not support num_beams={config.num_beams} yet (beam search)")
-    if config.num_return_sequences is not None and config.num_return_sequences > 1:
-        raise ValueError(
-            f"generate_many does not support num_return_sequences={config.num_return_sequences} yet (parallel sampling)"
-        )
+    if config.num_beam_groups is not None and config.num_beam_groups > 1:
+        raise ValueError(f"generate_many does not support num_beam_groups={config.num_beam_groups} (group beam search)")
+    if config.num_beams is not None and config.num_beams > 1 and config.low_memory:
+        raise ValueError("generate_many does not support low_memory=True with beam search (nor does generate)")
     if config.do_sample:
         if config.temperature is not None and config.temperature <= 0:
             raise ValueError(
@@ -137,8 +138,12 @@ def make_request_params(
     vocab_size: int,
     tokenizer: Any = None,
     stop_string_cache: dict | None = None,
+    device: torch.device | str = "cpu",
 ) -> RequestParams:
-    """Per-prompt settings: lengths as ``generate`` computes them, and the processors it would build."""
+    """Per-prompt settings: lengths as ``generate`` computes them, and the processors it would build.
+
+    ``device`` is where beam search runs its processors (the model's input device, as in ``generate``).
+    """
     config = copy.copy(resolved.generation_config)
     prompt_len = len(prompt_token_ids)
     config = model._prepare_generated_length(
@@ -158,23 +163,29 @@ def make_request_params(
         invalid = [t for t in options.logit_bias if t >= vocab_size]
         if invalid:
             raise ValueError(f"logit_bias names token ids outside the vocabulary [0, {vocab_size}): {invalid}")
+    num_beams = config.num_beams or 1
+    if num_beams > 1:
+        _check_beam_options(options)
+    processor_device = device if num_beams > 1 else "cpu"  # single-beam processors become stages (logits_pipeline)
     user_processors = LogitsProcessorList(options.logits_processor or [])
     prefix_fn = options.prefix_allowed_tokens_fn
     processors = model._get_logits_processor(
         generation_config=config,
         input_ids_seq_length=prompt_len,
-        encoder_input_ids=torch.tensor([prompt_token_ids], dtype=torch.long),
+        encoder_input_ids=torch.tensor([prompt_token_ids], dtype=torch.long, device=processor_device),
         prefix_allowed_tokens_fn=None if prefix_fn is None else wrap_prefix_allowed_tokens_fn(prefix_fn, index or 0),
         logits_processor=user_processors,
-        device="cpu",
+        device=processor_device,
         model_kwargs={},
     )
-    stages = plan_stages(
-        processors,
-        user_processors=user_processors,
-        adjustments=adjustment_stages(options.presence_penalty, options.frequency_penalty, options.logit_bias),
-        vocab_size=vocab_size,
-    )
+    stages = ()
+    if num_beams == 1:
+        stages = plan_stages(
+            processors,
+            user_processors=user_processors,
+            adjustments=adjustment_stages(options.presence_penalty, options.frequency_penalty, options.logit_bias),
+            vocab_size=vocab_size,
+        )
     stop = build_stop_rules(
         model, config, options.stopping_criteria, tokenizer, stop_string_cache if stop_string_cache is not None else {}
     )
@@ -189,4 +200,14 @@ def make_request_params(
         stop=stop,
         return_logprobs=options.return_logprobs,
         top_logprobs=options.top_logprobs,
+        num_return_sequences=config.num_return_sequences or 1,
+        num_beams=num_beams,
+        beam_processors=processors if num_beams > 1 else None,
     )
+
+
+def _check_beam_options(options: CallOptions) -> None:
+    """hfpaged's extras that beam search does not implement (each sequence carries its beam score instead)."""
+    for name in ("presence_penalty", "frequency_penalty", "logit_bias", "return_logprobs"):
+        if getattr(options, name):
+            raise ValueError(f"generate_many does not support {name} with num_beams > 1 (beam search)")

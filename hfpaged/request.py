@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .params import RequestParams
+
+if TYPE_CHECKING:
+    from .beam_search import BeamGroup
+    from .parallel_sampling import SampleGroup
 
 
 class RequestStatus(enum.Enum):
@@ -43,6 +47,11 @@ class Request:
         self.user_data: Any = None
         self.logprobs: list[float] | None = [] if params.return_logprobs else None
         self.top_logprobs: list[dict[int, float]] | None = [] if params.top_logprobs else None
+        # Several sequences per prompt (see parallel_sampling / beam_search); None and 0 for the usual one.
+        self.sample_group: SampleGroup | None = None
+        self.beam_group: BeamGroup | None = None
+        self.sequence_index = 0  # which of its prompt's sequences it is (parallel sampling), or its beam's slot
+        self.num_forks_pending = 0  # sequences it forks off at its first sample (they count toward max_num_seqs)
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,12 @@ Policy (vLLM v1's framing, no separate prefill/decode phases):
 2. then swapped requests, then waiting ones, in order, while ``max_num_seqs`` and the token budget
    allow and their blocks fit above the watermark (nothing joins in a step that preempted).
 A request is sampled only in a step that brings it fully up to date.
+
+Several sequences of one prompt share blocks (``fork``, ``share_blocks``; ref counts in the pool); the
+block a request is about to write into is copied on write when it is shared. The k beams of a beam
+search group are admitted and preempted together, by recompute (see ``beam_search``): a group is either
+wholly running or wholly waiting. A beam whose row of the current round is computed has no token to
+compute, so it is simply not scheduled until its group has selected the next tokens.
 """
 
 from __future__ import annotations
@@ -153,12 +159,41 @@ class Scheduler:
         request.block_ids.extend(self.pool.allocate(needed))
         return True
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput) -> list[Request]:
+        """Preempt ``request``, or every beam of its group with it; returns the requests preempted."""
+        group = request.beam_group
+        if group is None:
+            self._preempt_one(request, out, allow_swap=True)
+            return [request]
+        members = [m for m in group.members if m.status is RequestStatus.RUNNING]
+        for member in reversed(members):  # back to the front of waiting together, in beam order
+            self._preempt_one(member, out, allow_swap=False)
+        group.forget_rows()
+        return members
+
+    def _cancel_copies(self, request: Request) -> list[int]:
+        """The blocks that hold ``request``'s KV now, before it is released.
+
+        A copy-on-write of this step into one of its blocks has not run yet: it is cancelled (its target
+        goes back to the pool with the request, and may be handed out again this step), and the source
+        of the copy stands in for the target.
+        """
+        if not self.pending_copies:
+            return list(request.block_ids)
+        owned = set(request.block_ids)
+        source_of = {dst: src for src, dst in self.pending_copies if dst in owned}
+        if not source_of:
+            return list(request.block_ids)
+        self.pending_copies = [(src, dst) for src, dst in self.pending_copies if dst not in source_of]
+        return [source_of.get(block_id, block_id) for block_id in request.block_ids]
+
+    def _preempt_one(self, request: Request, out: SchedulerOutput, allow_swap: bool) -> None:
         self.running.remove(request)
         out.preempted.append(request)
-        if self.cpu_pool is not None and self.cpu_pool.num_free_blocks >= len(request.block_ids):
+        gpu_ids = self._cancel_copies(request)
+        if allow_swap and self.cpu_pool is not None and self.cpu_pool.num_free_blocks >= len(request.block_ids):
             cpu_ids = self.cpu_pool.allocate(len(request.block_ids))
-            out.swap_out.append((list(request.block_ids), cpu_ids))
+            out.swap_out.append((gpu_ids, cpu_ids))
             request.cpu_block_ids = cpu_ids
             self._release(request)
             request.status = RequestStatus.SWAPPED
@@ -195,12 +230,11 @@ class Scheduler:
                 num_new = min(request.num_tokens - request.num_computed_tokens, budget)
                 if self._try_reserve(request, request.num_computed_tokens + num_new):
                     break
-                victim = self.running[-1]
-                undone = scheduled.pop(victim.request_id, None)
-                if undone is not None:  # give back what the victim was granted this step
-                    budget += undone.num_tokens
-                self._preempt(victim, out)
-                if victim is request:
+                for victim in self._preempt(self.running[-1], out):
+                    undone = scheduled.pop(victim.request_id, None)
+                    if undone is not None:  # give back what the victim was granted this step
+                        budget += undone.num_tokens
+                if request.status is not RequestStatus.RUNNING:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue
@@ -227,6 +261,14 @@ class Scheduler:
         if not out.preempted and not self.swapped:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
+                if request.beam_group is not None and len(request.beam_group.members) > 1:
+                    budget_left = self._admit_beams(request.beam_group.members, budget, scheduled)
+                    if budget_left is None:
+                        break
+                    budget = budget_left
+                    continue
+                if len(self.running) + request.num_forks_pending >= self.config.max_num_seqs:
+                    break  # the sequences it forks into at its first sample would not fit
                 keep_free = self.watermark_blocks if self.running else 0
                 num_new = self._admit(request, budget, keep_free)
                 if num_new == 0:
@@ -241,10 +283,64 @@ class Scheduler:
         out.block_copies, self.pending_copies = self.pending_copies, []
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def _admit_beams(self, members: list[Request], budget: int, scheduled: dict[str, ScheduledRequest]) -> int | None:
+        """Admit all the beams of a re-queued group, or none; returns the token budget left (None: none).
+
+        All their blocks must fit above the watermark; beams past the token budget join without tokens
+        this step and are prefilled in the next ones.
+        """
+        if len(self.running) + len(members) > self.config.max_num_seqs:
+            return None
+        keep_free = self.watermark_blocks if self.running else 0
+        if self.pool.num_free_blocks - sum(-(-m.num_tokens // self.block_size) for m in members) < keep_free:
+            return None
+        for member in members:
+            num_new = self._admit(member, budget, 0) if budget > 0 else 0
+            self.waiting.remove(member)
+            member.status = RequestStatus.RUNNING
+            self.running.append(member)
+            if num_new:
+                scheduled[member.request_id] = ScheduledRequest(member, member.num_computed_tokens, num_new)
+                budget -= num_new
+        return budget
+
+    def fork(self, child: Request, parent: Request) -> None:
+        """``child`` shares ``parent``'s KV (one more reference on each block) and progress, and starts running.
+
+        Their common last block, if partly filled, is copied on write by whichever writes into it first.
+        """
+        self.pool.incref(parent.block_ids)
+        child.block_ids = list(parent.block_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
+        child.num_registered_blocks = parent.num_registered_blocks
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+
+    def share_blocks(self, targets: list[Request], sources: list[Request]) -> None:
+        """Each ``targets[j]`` takes over the KV and progress of ``sources[j]`` (beam search: beam j continues it).
+
+        The new references are taken before the targets' old blocks are released, so a block some target
+        keeps is never freed in between; blocks no target keeps return to the pool.
+        """
+        taken = [(list(s.block_ids), s.num_computed_tokens, list(s.block_hashes), s.num_registered_blocks) for s in sources]
+        for block_ids, _, _, _ in taken:
+            self.pool.incref(block_ids)
+        for target, (block_ids, num_computed, hashes, num_registered) in zip(targets, taken):
+            self.pool.free(target.block_ids)
+            target.block_ids = block_ids
+            target.num_computed_tokens = num_computed
+            target.block_hashes = hashes
+            target.num_registered_blocks = num_registered
+
+    def update(
+        self, out: SchedulerOutput, sampled: dict[str, int], forks: dict[str, list[Request]] | None = None
+    ) -> list[Request]:
         """Advance the scheduled requests; append sampled tokens; finish those that stop.
 
-        Returns the requests that gained a token this step (finished ones included).
+        ``forks`` (parallel sampling) names, by parent id, the children that fork off a parent once it has
+        advanced; each gets its own sampled token. Returns the requests that gained a token this step
+        (finished ones included).
         """
         advanced = []
         for item in out.scheduled:
@@ -257,6 +353,11 @@ class Scheduler:
                 continue
             request.append_token(token_id)
             advanced.append(request)
+            if forks:
+                for child in forks.get(request.request_id, ()):
+                    self.fork(child, request)
+                    child.append_token(sampled[child.request_id])
+                    advanced.append(child)
         for request, reason in zip(advanced, check_stops(advanced)):
             if reason is not None:
                 self.finish(request, reason)

@@ -33,6 +33,7 @@ class StopRules:
     stop_strings: StopStringCriteria | None = None
     max_time: MaxTimeCriteria | None = None
     criteria: StoppingCriteriaList | None = None  # everything else: called with the full ids
+    all_criteria: StoppingCriteriaList | None = None  # generate's whole list, eos and max_length included (beams)
 
     @property
     def is_empty(self) -> bool:
@@ -79,6 +80,7 @@ def build_stop_rules(
         else:
             others.append(criterion)
     rules.criteria = others if len(others) else None
+    rules.all_criteria = merged
     return rules
 
 

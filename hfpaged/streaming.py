@@ -4,6 +4,11 @@ Both validate and tokenize every prompt when called, queue them on the first ite
 unfinished requests (their blocks go back to the pool) when the iterator is closed early, garbage-collected
 or fails. Tokens are appended exactly once even when a request is preempted and recomputed, so a request's
 events add up to its ``generate_many`` result.
+
+With ``num_return_sequences=n`` (parallel sampling) every event says which of the prompt's sequences it
+extends (``sequence_index``); each sequence's events add up to ``result.sequences[i]``, and the event that
+finishes the prompt's last sequence carries the whole result. Beam search is not streamed (as in
+``generate``): a beam's tokens are not final until the search ends.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 from transformers import GenerationConfig, PreTrainedModel
 
 from .detokenizer import IncrementalDetokenizer
-from .engine import Engine, build_result, check_prompt_list
+from .engine import Engine, build_result, check_prompt_list, is_prompt_finished
 from .outputs import GenerationResult, RequestOutput
 from .request import Request
 
@@ -32,7 +37,8 @@ class StreamEvent:
     finished: bool
     finish_reason: str | None  # "stop", "length", "time", "abort" once finished
     logprobs: list[float] | None = None  # log-probs of token_ids when return_logprobs is on
-    result: GenerationResult | None = None  # the whole result, on the request's last event
+    result: GenerationResult | None = None  # the whole result, on the prompt's last event
+    sequence_index: int = 0  # which of the prompt's sequences these tokens extend (num_return_sequences > 1)
 
 
 class _EventMaker:
@@ -40,23 +46,22 @@ class _EventMaker:
 
     def __init__(self, engine: Engine, requests: list[Request]):
         self.tokenizer = engine.tokenizer
-        self.by_id = {r.request_id: r for r in requests}
-        self.detokenizers = (
-            {r.request_id: IncrementalDetokenizer(self.tokenizer, start=r.num_prompt_tokens) for r in requests}
-            if self.tokenizer is not None
-            else None
-        )
+        self.by_index = {r.index: r for r in requests}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}  # by request id (one per sequence)
+        self.reported: set[int] = set()  # prompts whose result went out
 
     def events(self, outputs: list[RequestOutput]) -> list[StreamEvent]:
         events = []
         for output in outputs:
-            request = self.by_id[output.request_id]
             text = None
-            if self.detokenizers is not None:
-                detokenizer = self.detokenizers[output.request_id]
-                text = detokenizer.push(request.all_token_ids)
+            if self.tokenizer is not None:
+                detokenizer = self.detokenizers.get(output.request_id)
+                if detokenizer is None:
+                    detokenizer = IncrementalDetokenizer(self.tokenizer, start=output.num_prompt_tokens)
+                    self.detokenizers[output.request_id] = detokenizer
+                text = detokenizer.push(output.all_token_ids)
                 if output.finished:
-                    text += detokenizer.finish(request.all_token_ids)
+                    text += detokenizer.finish(output.all_token_ids)
             events.append(
                 StreamEvent(
                     index=output.index,
@@ -66,9 +71,15 @@ class _EventMaker:
                     finished=output.finished,
                     finish_reason=output.finish_reason,
                     logprobs=output.new_logprobs,
-                    result=build_result(request, self.tokenizer) if output.finished else None,
+                    sequence_index=output.sequence_index,
                 )
             )
+        for event in reversed(events):  # the whole result goes with the prompt's last event
+            if event.finished and event.index not in self.reported:
+                request = self.by_index[event.index]
+                if is_prompt_finished(request):
+                    event.result = build_result(request, self.tokenizer)
+                    self.reported.add(event.index)
         return events
 
 
@@ -80,7 +91,14 @@ def _prepare(
         raise ValueError("stream_many does not take streamer=: iterate over its events instead")
     kwargs = {k: v for k, v in kwargs.items() if k != "streamer"}
     engine = Engine(model, tokenizer=tokenizer)
-    return engine, engine.make_requests(prompts, generation_config, kwargs)
+    requests = engine.make_requests(prompts, generation_config, kwargs)
+    beams = next((r for r in requests if r.beam_group is not None), None)
+    if beams is not None:
+        raise ValueError(
+            f"prompt {beams.index}: streaming does not support num_beams > 1 (a beam's tokens are final only when "
+            "the search ends, and generate refuses a streamer with beam search too); use generate_many"
+        )
+    return engine, requests
 
 
 def stream_many(

@@ -34,6 +34,13 @@ class NgramIndex:
         self.followers: dict[tuple[int, ...], set[int]] = {}
         self.num_indexed = 0  # ids[:num_indexed] have had their n-grams recorded
 
+    def fork(self) -> "NgramIndex":
+        """An independent copy for a sequence that forks off this request (parallel sampling)."""
+        copy = NgramIndex(self.ngram_size)
+        copy.followers = {prefix: set(tokens) for prefix, tokens in self.followers.items()}
+        copy.num_indexed = self.num_indexed
+        return copy
+
     def banned(self, ids: list[int]) -> set[int] | tuple:
         """Tokens that would repeat an n-gram of ``ids`` (``NoRepeatNGramLogitsProcessor``)."""
         n = self.ngram_size
