@@ -1,8 +1,22 @@
 import os
 
+import pytest
 import torch
 
 # Triton decides between compiled and interpreted kernels when a kernel is defined (import time):
 # without CUDA, the kernel tests need the interpreter, so set it before anything imports the kernels.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def pool_is_free_after(request):
+    """After every test that uses a patched ``model`` fixture, every block is free (or evictable)."""
+    # taken at set-up, so the model is torn down after this check
+    model = request.getfixturevalue("model") if "model" in request.fixturenames else None
+    yield
+    if getattr(model, "_hfpaged", None) is not None:
+        import hfpaged
+
+        stats = hfpaged.stats(model)
+        assert stats["num_free_blocks"] == stats["num_blocks"], stats

@@ -15,13 +15,6 @@ def model():
     return m
 
 
-@pytest.fixture(autouse=True)
-def pool_is_free_after(model):
-    yield
-    stats = hfpaged.stats(model)
-    assert stats["num_free_blocks"] == stats["num_blocks"]
-
-
 def stock_scores(model, prompt, forced_tokens=None, monkeypatch=None, **kwargs):
     """Stock generate's tokens and transition scores; sampled steps take ``forced_tokens`` instead of drawing."""
     if forced_tokens is not None:

@@ -21,13 +21,6 @@ def model():
     return m
 
 
-@pytest.fixture(autouse=True)
-def pool_is_free_after(model):
-    yield
-    stats = hfpaged.stats(model)
-    assert stats["num_free_blocks"] == stats["num_blocks"]
-
-
 @pytest.fixture(scope="module")
 def prompts():
     return random_prompts([5, 9, 13], seed=1)
