@@ -138,19 +138,18 @@ class ForwardContext:
     """State the registered attention function reads while an hfpaged forward runs.
 
     ``mode="discover"`` records each attention module as it is called (patch time);
-    ``mode="paged"`` stores this step's K/V and attends over the block tables.
+    ``mode="paged"`` stores this step's K/V into each layer's own caches (``module._hfpaged_kv``,
+    bound by ``patch``) and attends over the block tables.
     """
 
     def __init__(
         self,
         mode: str,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         metadata: AttentionMetadata | None = None,
         store_fn: Callable[..., None] | None = None,
         attention_fn: Callable[..., torch.Tensor] | None = None,
     ):
         self.mode = mode
-        self.kv_caches = kv_caches
         self.metadata = metadata
         self.store_fn = store_fn
         self.attention_fn = attention_fn
@@ -224,7 +223,7 @@ def paged_attention_forward(
         return _discover(context, module, query, key, value, sliding_window, softcap), None
     if query.shape[0] != 1:
         raise ValueError(f"hfpaged expects a packed batch of shape [1, T], got batch size {query.shape[0]}")
-    k_cache, v_cache = context.kv_caches[module._hfpaged_layer_idx]
+    k_cache, v_cache = module._hfpaged_kv
     meta = context.metadata.on(query.device)
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)

@@ -23,6 +23,7 @@ from .attention import (
 )
 from .block_pool import BlockPool
 from .config import EngineConfig
+from .scheduler import COUNTER_NAMES
 
 logger = logging.getLogger("hfpaged")
 
@@ -267,16 +268,13 @@ def patch(
         tokenizer=tokenizer,
         vocab_size=model.get_input_embeddings().weight.shape[0],
         max_model_len=_max_model_len(model),
-        counters={"num_preemptions": 0, "num_swapped_out": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0},
+        counters=dict.fromkeys(COUNTER_NAMES, 0),
     )
-    for index, layer in enumerate(layers):
-        layer.module._hfpaged_layer_idx = index
     try:
         pool_blocks = _size_pool(model, state)
         _allocate_caches(state, pool_blocks)
     except BaseException:
         for layer in layers:
-            layer.module.__dict__.pop("_hfpaged_layer_idx", None)
             layer.module.__dict__.pop("_hfpaged_kv", None)
         raise
     gib = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in state.kv_caches) / 2**30
@@ -305,7 +303,6 @@ def unpatch(model: PreTrainedModel) -> PreTrainedModel:
     if state is None:
         return model
     for layer in state.layers:
-        layer.module.__dict__.pop("_hfpaged_layer_idx", None)
         layer.module.__dict__.pop("_hfpaged_kv", None)
     for name in ("generate_many", "stream_many", "astream_many"):
         model.__dict__.pop(name, None)

@@ -91,7 +91,6 @@ class ModelRunner:
         """The unmodified model over a packed step with paged attention; logits ``[n, vocab]``."""
         context = ForwardContext(
             "paged",
-            kv_caches=self.state.kv_caches,
             metadata=step.metadata,
             store_fn=self.store_fn,
             attention_fn=self.attention_fn,
@@ -156,10 +155,8 @@ class ModelRunner:
             from .compiled import compile_decode_forward
 
             self._compiled = compile_decode_forward(self.model, self.graph_width * self.block_size)
-        meta = step.metadata
-        context = ForwardContext("paged", kv_caches=self.state.kv_caches, metadata=meta,
-                                 store_fn=self.store_fn, attention_fn=self.attention_fn)
-        with paged_mode(self.state, context):
+        meta = step.metadata  # reaches the attention as forward kwargs: no context metadata needed
+        with paged_mode(self.state, ForwardContext("paged")):
             return self._compiled(step.input_ids, step.position_ids, meta.slot_mapping, meta.block_tables,
                                   meta.seq_lens, meta.cu_seqlens_q)
 

@@ -29,6 +29,9 @@ from .request import Request, RequestStatus
 from .stopping import check_stops
 
 
+COUNTER_NAMES = ("num_preemptions", "num_swapped_out", "prefix_cache_queries", "prefix_cache_hits")
+
+
 @dataclass
 class ScheduledRequest:
     request: Request
@@ -81,7 +84,7 @@ class Scheduler:
         self.prefix_cache = PrefixCache(pool, config.block_size) if config.enable_prefix_caching else None
         # shared figures (hfpaged.stats): the engine passes the model's counters dict
         self.counters = counters if counters is not None else {}
-        for key in ("num_preemptions", "num_swapped_out", "prefix_cache_queries", "prefix_cache_hits"):
+        for key in COUNTER_NAMES:
             self.counters.setdefault(key, 0)
 
     # --- queue management -----------------------------------------------------------------------

@@ -44,7 +44,7 @@ def test_stock_forward_and_generate_unchanged_after_patch_and_unpatch():
 
     hfpaged.unpatch(m)
     assert not hasattr(m, "generate_many") and not hasattr(m, "_hfpaged")
-    assert not any("_hfpaged_layer_idx" in mod.__dict__ for mod in m.modules())
+    assert not any("_hfpaged_kv" in mod.__dict__ for mod in m.modules())
     assert m.config._attn_implementation == attn_before
     assert torch.equal(m.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False), gen_before)
     with pytest.raises(ValueError, match="not patched"):
