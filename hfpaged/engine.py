@@ -196,12 +196,10 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return
-        members = [request]
+        members = _members(request)
         if request.sample_group is not None:
-            members = request.sample_group.members
             self.unforked.discard(members[0])
         elif request.beam_group is not None:
-            members = request.beam_group.members
             request.beam_group.aborted = True
             self.beam_groups.discard(request.beam_group)
         for member in members:
