@@ -81,13 +81,16 @@ class Sampler:
         return self.context
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        num_rows = len(requests)
+        if not any(r.params.stages or r.params.do_sample or r.params.return_logprobs for r in requests):
+            # plain greedy: argmax of the raw logits (a bf16 -> fp32 upcast keeps order and ties)
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * num_rows, [None] * num_rows)
         scores = logits.float()
         if any(r.params.stages for r in requests):
             context = self._stage_context(scores)
             context.begin_step()
             scores = run_stages(scores, requests, context)
 
-        num_rows = len(requests)
         device = scores.device
         sample_rows = [i for i, r in enumerate(requests) if r.params.do_sample]
         if len(sample_rows) == num_rows:
