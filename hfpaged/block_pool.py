@@ -36,10 +36,6 @@ class BlockPool:
         return len(self._free)
 
     @property
-    def num_cached_free_blocks(self) -> int:
-        return sum(1 for block_id in self._free if self.block_hashes[block_id] is not None)
-
-    @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 

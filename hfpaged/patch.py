@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import types
@@ -177,7 +178,7 @@ def _size_pool_cuda(model: torch.nn.Module, state: PatchState, per_device: dict,
     input_ids = torch.zeros(1, num_tokens, dtype=torch.long, device=state.input_device)
     num_logits = min(config.max_num_seqs, num_tokens)
     kwargs = {}
-    if "logits_to_keep" in __import__("inspect").signature(model.forward).parameters:
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
         kwargs["logits_to_keep"] = torch.arange(num_tokens - num_logits, num_tokens, device=state.input_device)
     context = ForwardContext("discover")
     with torch.inference_mode(), paged_mode(state, context):

@@ -365,7 +365,3 @@ class Scheduler:
             if reason is not None:
                 self.finish(request, reason)
         return advanced
-
-    def check_stop(self, request: Request) -> str | None:
-        """``"stop"`` (eos / stop strings / criteria), ``"length"`` (max_length), ``"time"`` (max_time), or None."""
-        return check_stops([request])[0]
