@@ -19,6 +19,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     attention_backend: str = "auto"  # "auto": Triton kernels on CUDA, torch reference elsewhere
     enforce_eager: bool = False  # True: never capture CUDA graphs
+    async_scheduling: bool = True  # overlap the host's work for the next step with the device's current step
     compile: bool = False  # torch.compile the decode forward captured in the CUDA graphs (CUDA + Triton only)
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"

@@ -102,11 +102,17 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         logger.info("hfpaged: captured %d decode CUDA graphs (batch %s)", len(self.graphs), self.buckets)
 
-    def replay(self, packed_host: torch.Tensor, bucket: int, width: int, num_sampled: int) -> torch.Tensor:
-        """Copy a packed decode step (built for ``bucket`` rows and ``width`` block columns) into the
-        static buffers, replay, return logits ``[num_sampled, vocab]``."""
+    def load(self, packed_host: torch.Tensor, bucket: int, width: int) -> None:
+        """Copy a packed decode step (built for ``bucket`` rows and ``width`` block columns) into the static buffers."""
         small = tables_offset(bucket, bucket)
         self.static[:small].copy_(packed_host[:small], non_blocking=True)
         self.static_block_tables[:bucket, :width].copy_(packed_host[small:].view(bucket, width), non_blocking=True)
+
+    def input_ids(self, bucket: int) -> torch.Tensor:
+        """The static int32 input ids of ``bucket``'s graph (to patch in tokens that are already on the device)."""
+        return self.static[region_slices(bucket, bucket)["input_ids"]]
+
+    def replay(self, bucket: int, num_sampled: int) -> torch.Tensor:
+        """Replay the graph of ``bucket`` on the loaded inputs; logits ``[num_sampled, vocab]``."""
         self.graphs[bucket].replay()
         return self.outputs[bucket][:num_sampled]

@@ -18,7 +18,7 @@ from .patch import PatchState, get_state, patch
 from .prompt_settings import CallOptions, PromptSpec, expand_prompts, split_call_options
 from .request import Request, RequestStatus
 from .runner import ModelRunner
-from .sampling import Sampler
+from .sampling import SampledTokens, Sampler
 from .scheduler import Scheduler
 
 _request_counter = itertools.count()
@@ -66,6 +66,8 @@ class Engine:
         # several sequences per prompt: parents that have not sampled yet, and beam searches in progress
         self.unforked: set[Request] = set()
         self.beam_groups: set[BeamGroup] = set()
+        self.in_flight: SampledTokens | None = None  # the launched step whose tokens the host has not read
+        self.num_overlapped_steps = 0  # steps whose tokens were read back during the next step
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -210,53 +212,102 @@ class Engine:
     def abort_all(self) -> None:
         for request_id in list(self.requests):
             self.abort(request_id)
+        if not self.scheduler.has_unfinished():
+            self.in_flight = None  # its tokens belong to finished requests only
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.in_flight is not None
 
     # --- the loop -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one packed forward, sample, update. Returns what each advanced request gained."""
+        """Schedule and launch one packed forward, sample, and report what requests gained.
+
+        With ``async_scheduling`` (the default) a step's picks are read back one step later: the step is
+        launched, then the host reads the previous step's tokens (appends them, checks stops) while the
+        device computes, and the next step reads this one's tokens on the device. The outputs returned are
+        then those of the previous step. Steps whose sampling needs the host's full token history (logits
+        processors other than the sampling warpers, beam search, forking parallel samples) wait for their own
+        tokens.
+        """
         clock = time.perf_counter
         t0 = clock()
         out = self.scheduler.schedule()
         if out.is_empty:
+            if self.in_flight is not None:
+                return self._finish_in_flight()
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress: no running request and the next one does not fit")
             return []
         t1 = clock()
-        logits, sample_requests = self.runner.execute(out)
+        previous = self.in_flight.tokens if self.in_flight is not None else None
+        logits, sample_requests = self.runner.execute(out, previous)
         t2 = clock()
         forks = beam_rows = None
         if self.unforked:
             logits, sample_requests, forks = add_sample_rows(logits, sample_requests, self.unforked)
         if self.beam_groups:
             logits, sample_requests, beam_rows = take_beam_rows(logits, sample_requests)
-        sampled = {}
-        if sample_requests:
-            picked = self.sampler(logits, sample_requests)
-            for request, token, logprob, top in zip(sample_requests, picked.token_ids, picked.logprobs, picked.top_logprobs):
-                sampled[request.request_id] = token
-                if logprob is not None:
-                    request.record_logprob(logprob, top)
-        t3 = clock()
-        advanced = self.scheduler.update(out, sampled, forks)
-        if forks:
-            for children in forks.values():
-                self.requests.update((child.request_id, child) for child in children)
+        overlap = (
+            self.state.config.async_scheduling
+            and not forks
+            and not beam_rows
+            and not any(r.params.stages_read_history for r in sample_requests)
+        )
         timings = self.timings
+        if overlap:
+            launched = self.sampler.launch(logits, sample_requests) if sample_requests else None
+            t3 = clock()
+            outputs = self._finish_in_flight()  # the previous step's tokens, read while this step runs
+            self.scheduler.advance(out)
+            for row, request in enumerate(sample_requests):
+                if not request.is_finished:
+                    request.num_pending_tokens = 1
+                    request.pending_row = row
+            self.in_flight = launched
+            self.num_overlapped_steps += 1
+        else:
+            outputs = self._finish_in_flight()  # this step's processors see every earlier token
+            t3 = clock()
+            self.scheduler.advance(out)
+            if forks:
+                for children in forks.values():
+                    self.requests.update((child.request_id, child) for child in children)
+            if sample_requests:
+                picked = self.sampler(logits, sample_requests)
+                outputs += self._take(sample_requests, picked, forks)
+            if beam_rows:
+                outputs += self._advance_beams(beam_rows)
         timings["schedule"] += t1 - t0
         timings["execute"] += t2 - t1  # host: inputs + launches (the device runs on asynchronously)
-        timings["sample"] += t3 - t2  # includes waiting for the device (the one device->host copy)
-        timings["update"] += clock() - t3
+        timings["sample"] += t3 - t2  # sampling launches (a step that waits for its tokens: the previous step's too)
+        timings["update"] += clock() - t3  # reading tokens back (waits included), appending, stop checks
         timings["steps"] += 1
+        return outputs
+
+    def _finish_in_flight(self) -> list[RequestOutput]:
+        """Wait for the tokens of the step in flight (if any) and hand them to their requests."""
+        launched, self.in_flight = self.in_flight, None
+        if launched is None:
+            return []
+        t0 = time.perf_counter()
+        picked = launched.result()
+        self.timings["wait"] += time.perf_counter() - t0  # the host idle, waiting for the device
+        return self._take(launched.requests, picked)
+
+    def _take(self, requests: list[Request], picked, forks: dict[str, list[Request]] | None = None) -> list[RequestOutput]:
+        """Append sampled tokens (and log-probs), finish requests that stop; one output per request that grew."""
+        for request, logprob, top in zip(requests, picked.logprobs, picked.top_logprobs):
+            if logprob is not None and not request.is_finished:
+                request.record_logprob(logprob, top)
+        advanced = self.scheduler.append_tokens(requests, picked.token_ids, forks)
         outputs = []
         for request in advanced:
             finished = request.is_finished
             if finished:
                 request.finish_time = time.perf_counter()
                 self.requests.pop(request.request_id, None)
+            num_tokens = len(request.all_token_ids)
             outputs.append(
                 RequestOutput(
                     request_id=request.request_id,
@@ -267,12 +318,10 @@ class Engine:
                     new_logprobs=None if request.logprobs is None else request.logprobs[-1:],
                     all_token_ids=request.all_token_ids,
                     num_prompt_tokens=request.num_prompt_tokens,
-                    num_tokens=request.num_tokens,
+                    num_tokens=num_tokens,
                     sequence_index=request.sequence_index,
                 )
             )
-        if beam_rows:
-            outputs += self._advance_beams(beam_rows)
         return outputs
 
     def _advance_beams(self, beam_rows: list[tuple[Request, torch.Tensor]]) -> list[RequestOutput]:

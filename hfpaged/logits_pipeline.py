@@ -25,6 +25,7 @@ class StageKind(Protocol):
     """A logits-processing step that can run on many rows at once (one payload per row)."""
 
     name: str
+    reads_history: bool  # whether it looks at the request's tokens (absent: assumed True)
 
     def apply(self, scores: torch.Tensor, payloads: list, requests: list, context: "StageContext") -> torch.Tensor:
         """Processed ``scores`` ``[len(requests), vocab]``; ``payloads[i]`` holds row i's settings."""

@@ -64,6 +64,8 @@ class RequestParams:
 
     def __post_init__(self) -> None:
         self.stage_schedule = stage_schedule(self.stages)  # how run_stages orders and groups them
+        # whether a stage looks at the tokens so far: then sampling waits for the previous step's tokens
+        self.stages_read_history = any(getattr(stage.kind, "reads_history", True) for stage in self.stages)
 
 
 def resolve_generation_config(

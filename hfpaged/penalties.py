@@ -65,6 +65,7 @@ class LogitBias:
     """vLLM's ``logit_bias``: add a fixed value to chosen token ids. Payload: ``(token_ids, values)`` tensors."""
 
     name = "logit_bias"
+    reads_history = False
 
     def apply(self, scores: torch.Tensor, payloads: list, requests: list, context: "StageContext") -> torch.Tensor:
         rows = torch.repeat_interleave(torch.arange(len(payloads)), torch.tensor([len(ids) for ids, _ in payloads]))

@@ -27,7 +27,7 @@ class PrefixCache:
     def hash_full_blocks(self, request: Request) -> list[int]:
         """Extend ``request.block_hashes`` to every full block of its tokens; returns it."""
         hashes = request.block_hashes
-        for index in range(len(hashes), request.num_tokens // self.block_size):
+        for index in range(len(hashes), len(request.all_token_ids) // self.block_size):  # known tokens only
             hashes.append(hash(self._key(request, index)))
         return hashes
 

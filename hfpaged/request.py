@@ -52,10 +52,15 @@ class Request:
         self.beam_group: BeamGroup | None = None
         self.sequence_index = 0  # which of its prompt's sequences it is (parallel sampling), or its beam's slot
         self.num_forks_pending = 0  # sequences it forks off at its first sample (they count toward max_num_seqs)
+        # Overlapped steps (engine): a token sampled on the device whose value the host has not read yet. It
+        # counts in num_tokens (the scheduler plans the next step with it) but is not in all_token_ids; the
+        # next step's input reads it on the device, from row pending_row of the previous step's tokens.
+        self.num_pending_tokens = 0
+        self.pending_row = -1
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -74,6 +79,8 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
+        """Append a sampled token (it replaces the pending token, if the step that sampled it ran overlapped)."""
+        self.num_pending_tokens = 0
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
         self.all_token_ids.append(token_id)

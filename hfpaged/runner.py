@@ -19,7 +19,7 @@ from .attention import ATTENTION_NAME, ForwardContext, set_forward_context
 from .cuda_graphs import DecodeGraphs
 from .request import Request
 from .scheduler import SchedulerOutput
-from .step_inputs import DeviceStep, HostStep, build_host_step, device_views
+from .step_inputs import DeviceStep, HostStep, build_host_step, device_views, region_slices
 
 if TYPE_CHECKING:
     from .patch import PatchState
@@ -65,7 +65,6 @@ class ModelRunner:
         # a multiple of 16 columns: the kernels' block-table row stride keeps one Triton specialization
         self.graph_width = -(-min(math.ceil(max_len / self.block_size), state.pool.num_blocks) // 16) * 16
         self.graphs: DecodeGraphs | None = None
-        self._pinned: torch.Tensor | None = None
         self.num_graph_steps = 0
         self._warmed = False
         self._compiled = None
@@ -73,17 +72,29 @@ class ModelRunner:
 
     # --- host -> device ---------------------------------------------------------------------------
 
-    def _to_device(self, packed: np.ndarray) -> torch.Tensor:
-        """The packed array as a tensor the device can read (one async copy through pinned memory)."""
-        host = torch.from_numpy(packed)
+    def _stage(self, array: np.ndarray) -> torch.Tensor:
+        """``array`` as a CPU tensor the device can copy from asynchronously (pinned, on CUDA).
+
+        Each step stages into its own pinned block from torch's caching host allocator, which does not hand
+        a block out again until the copies reading it have run: a step may be prepared while the one before
+        is still in flight.
+        """
+        host = torch.from_numpy(array)
         if self.device.type != "cuda":
             return host
-        if self._pinned is None or self._pinned.numel() < packed.size:
-            self._pinned = torch.empty(max(packed.size, 1 << 16), dtype=torch.int32, pin_memory=True)
-        # Safe to overwrite: every step ends with a device->host copy of its tokens, after this copy.
-        staged = self._pinned[: packed.size]
+        staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
         staged.copy_(host)
         return staged
+
+    def _fill_pending(self, input_ids: torch.Tensor, pending: np.ndarray | None, previous: torch.Tensor | None) -> None:
+        """Write the tokens sampled by the previous step (still on the device) into this step's int32 input ids."""
+        if pending is None:
+            return
+        if previous is None:
+            raise RuntimeError("a scheduled request waits for a token of a step that is not in flight")
+        index = self._stage(pending).to(input_ids.device, non_blocking=True)
+        values = previous.to(input_ids.device, non_blocking=True).index_select(0, index[1])
+        input_ids.index_copy_(0, index[0], values.to(input_ids.dtype))
 
     # --- forward ----------------------------------------------------------------------------------
 
@@ -195,8 +206,12 @@ class ModelRunner:
             v.index_copy_(0, dst, v.index_select(0, src))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
-        """Run one step; returns logits ``[num_sampled, vocab]`` and the requests they belong to."""
+    def execute(self, out: SchedulerOutput, previous_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Request]]:
+        """Launch one step; returns logits ``[num_sampled, vocab]`` and the requests they belong to.
+
+        ``previous_tokens``: the tokens the step before sampled, on the device, in its sampling order; a
+        request whose last token the host has not read yet (``Request.num_pending_tokens``) reads it there.
+        """
         if not self._warmed:
             self.warmup()
         if out.swap_out or out.swap_in:
@@ -206,11 +221,15 @@ class ModelRunner:
         bucket = self._graph_bucket(out)
         if bucket is not None:
             host = build_host_step(out, self.block_size, pad_tokens=bucket)
-            logits = self.graphs.replay(self._to_device(host.packed), bucket, host.width, host.num_sampled)
+            self.graphs.load(self._stage(host.packed), bucket, host.width)
+            self._fill_pending(self.graphs.input_ids(bucket), host.pending, previous_tokens)
+            logits = self.graphs.replay(bucket, host.num_sampled)
             self.num_graph_steps += 1
             return logits, host.sample_requests
         host: HostStep = build_host_step(out, self.block_size)
-        buffer = self._to_device(host.packed).to(self.device, non_blocking=True)
+        buffer = self._stage(host.packed).to(self.device, non_blocking=True)
+        at = region_slices(host.num_tokens, host.num_reqs)
+        self._fill_pending(buffer[at["input_ids"]], host.pending, previous_tokens)
         step = device_views(
             buffer, host.num_tokens, host.num_reqs, host.width, host.max_seqlen_q, host.max_seqlen_k, host.num_sampled
         )

@@ -64,6 +64,42 @@ class SamplerOutput:
     top_logprobs: list[dict[int, float] | None]
 
 
+def _copy_to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start copying ``tensor`` to (pinned) host memory without waiting; the event marks its completion."""
+    if tensor.device.type != "cuda":
+        return tensor, None
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensor.device))
+    return host, event
+
+
+class SampledTokens:
+    """One step's picks: the tokens on the device (the next step can read them there) and their copy to
+    the host, started when sampling was launched; ``result()`` waits for that copy only."""
+
+    def __init__(self, tokens: torch.Tensor, requests: list[Request], logprob_rows: list[int], top_k: int,
+                 flat: torch.Tensor | None = None):
+        self.tokens = tokens  # int64 [num_rows], on the logits' device
+        self.requests = requests
+        self.logprob_rows = logprob_rows
+        self.top_k = top_k
+        # everything the host needs, in one copy: the token ids alone, or (with log-probs) one float32 row
+        self._host, self._event = _copy_to_host(tokens if flat is None else flat)
+        self._flat = flat is not None
+
+    def result(self) -> SamplerOutput:
+        """Wait for the copy and unpack it."""
+        if self._event is not None:
+            self._event.synchronize()
+        values = self._host.tolist()
+        num_rows = len(self.requests)
+        if not self._flat:
+            return SamplerOutput(values, [None] * num_rows, [None] * num_rows)
+        return _unpack_logprobs(values, self.requests, self.logprob_rows, self.top_k)
+
+
 class Sampler:
     """Processes each row's logits (its own stages), then picks one token per row; one device-to-host copy.
 
@@ -81,10 +117,14 @@ class Sampler:
         return self.context
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        num_rows = len(requests)
+        """Pick and wait for the picks."""
+        return self.launch(logits, requests).result()
+
+    def launch(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
+        """Pick one token per row on the device and start copying the picks to the host; no sync."""
         if not any(r.params.stages or r.params.do_sample or r.params.return_logprobs for r in requests):
             # plain greedy: argmax of the raw logits (a bf16 -> fp32 upcast keeps order and ties)
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * num_rows, [None] * num_rows)
+            return SampledTokens(logits.argmax(dim=-1), requests, [], 0)
         scores = logits.float()
         if any(r.params.stages for r in requests):
             context = self._stage_context(scores)
@@ -93,7 +133,7 @@ class Sampler:
 
         device = scores.device
         sample_rows = [i for i, r in enumerate(requests) if r.params.do_sample]
-        if len(sample_rows) == num_rows:
+        if len(sample_rows) == len(requests):
             tokens = (scores + _noise(requests, scores)).argmax(dim=-1)
         else:
             tokens = scores.argmax(dim=-1)
@@ -105,7 +145,7 @@ class Sampler:
 
         logprob_rows = [i for i, r in enumerate(requests) if r.params.return_logprobs]
         if not logprob_rows:
-            return SamplerOutput(tokens.tolist(), [None] * num_rows, [None] * num_rows)
+            return SampledTokens(tokens, requests, [], 0)
         return _with_logprobs(scores, tokens, requests, logprob_rows)
 
 
@@ -115,26 +155,26 @@ def _noise(requests: list[Request], scores: torch.Tensor) -> torch.Tensor:
     return gumbel_noise(keys[:, 0], keys[:, 1], scores.shape[-1])
 
 
-def _with_logprobs(
-    scores: torch.Tensor, tokens: torch.Tensor, requests: list[Request], rows: list[int]
-) -> SamplerOutput:
+def _with_logprobs(scores: torch.Tensor, tokens: torch.Tensor, requests: list[Request], rows: list[int]) -> SampledTokens:
     """Tokens plus log-softmax of the processed scores at the chosen token (and the top-k), in one copy."""
-    num_rows = len(requests)
     index = torch.tensor(rows).to(scores.device, non_blocking=True)
     logprobs = scores.index_select(0, index).log_softmax(dim=-1)
     chosen = logprobs.gather(1, tokens.index_select(0, index)[:, None])[:, 0]
-    top_k = max(requests[i].params.top_logprobs for i in rows)
+    top_k = min(max(requests[i].params.top_logprobs for i in rows), logprobs.shape[-1])
     # one float32 copy for everything: token ids are exact in float32 (vocabularies are far below 2**24)
     parts = [tokens.float(), chosen.float()]
     if top_k:
-        top = torch.topk(logprobs, min(top_k, logprobs.shape[-1]), dim=-1)
+        top = torch.topk(logprobs, top_k, dim=-1)
         parts += [top.values.float().flatten(), top.indices.float().flatten()]
-    flat = torch.cat(parts).tolist()
+    return SampledTokens(tokens, requests, rows, top_k, flat=torch.cat(parts))
+
+
+def _unpack_logprobs(flat: list[float], requests: list[Request], rows: list[int], k: int) -> SamplerOutput:
+    num_rows = len(requests)
     token_ids = [int(t) for t in flat[:num_rows]]
     row_logprobs: list[float | None] = [None] * num_rows
     row_top: list[dict[int, float] | None] = [None] * num_rows
     num_lp = len(rows)
-    k = min(top_k, logprobs.shape[-1])
     values = flat[num_rows + num_lp : num_rows + num_lp + num_lp * k]
     ids = flat[num_rows + num_lp + num_lp * k :]
     for j, i in enumerate(rows):

@@ -109,6 +109,7 @@ class Scheduler:
         self._release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        request.num_pending_tokens = 0  # a token still in flight is dropped
 
     def _release(self, request: Request) -> None:
         if request.block_ids:
@@ -222,7 +223,13 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
 
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        # A request whose pending token (sampled by the step still in flight) ends it by length is not
+        # planned again: it finishes when that token is read back.
+        decodes = [
+            r for r in self.running
+            if r.num_tokens - r.num_computed_tokens == 1
+            and not (r.num_pending_tokens and r.num_tokens >= r.params.max_length)
+        ]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for request in decodes + prefills:
             if budget == 0:
@@ -336,23 +343,34 @@ class Scheduler:
             target.block_hashes = hashes
             target.num_registered_blocks = num_registered
 
-    def update(
-        self, out: SchedulerOutput, sampled: dict[str, int], forks: dict[str, list[Request]] | None = None
-    ) -> list[Request]:
-        """Advance the scheduled requests; append sampled tokens; finish those that stop.
+    def advance(self, out: SchedulerOutput) -> None:
+        """Count the tokens a launched step computes; publish blocks that became full to the prefix cache.
 
-        ``forks`` (parallel sampling) names, by parent id, the children that fork off a parent once it has
-        advanced; each gets its own sampled token. Returns the requests that gained a token this step
-        (finished ones included).
+        Requests finished since the step was scheduled (stopped by the token of the step before, or
+        aborted) are skipped: their blocks are already back in the pool.
         """
-        advanced = []
         for item in out.scheduled:
             request = item.request
+            if request.is_finished:
+                continue
             request.num_computed_tokens += item.num_tokens
             if self.prefix_cache is not None:
                 self.prefix_cache.register(request)
-            token_id = sampled.get(request.request_id)
-            if token_id is None:
+
+    def append_tokens(
+        self, requests: list[Request], token_ids: list[int], forks: dict[str, list[Request]] | None = None
+    ) -> list[Request]:
+        """Append each request's sampled token and finish those that stop; finished requests are skipped.
+
+        ``forks`` (parallel sampling) names, by parent id, the children that fork off a parent as it gains
+        its first token; their tokens are among ``requests``/``token_ids`` too. Returns the requests that
+        gained a token (finished ones included).
+        """
+        children = {c.request_id for group in forks.values() for c in group} if forks else ()
+        sampled = dict(zip((r.request_id for r in requests), token_ids))
+        advanced = []
+        for request, token_id in zip(requests, token_ids):
+            if request.is_finished or request.request_id in children:
                 continue
             request.append_token(token_id)
             advanced.append(request)
@@ -365,3 +383,16 @@ class Scheduler:
             if reason is not None:
                 self.finish(request, reason)
         return advanced
+
+    def update(
+        self, out: SchedulerOutput, sampled: dict[str, int], forks: dict[str, list[Request]] | None = None
+    ) -> list[Request]:
+        """``advance`` then ``append_tokens`` for a step whose tokens (by request id) are already known.
+
+        Children forking off a parent (``forks``) are named in ``sampled`` by their own ids.
+        """
+        self.advance(out)
+        requests = [item.request for item in out.scheduled if item.request.request_id in sampled]
+        for group in (forks or {}).values():
+            requests += group
+        return self.append_tokens(requests, [sampled[r.request_id] for r in requests], forks)

@@ -60,6 +60,9 @@ class HostStep:
     max_seqlen_k: int
     sample_requests: list[Request]
     num_sampled: int
+    # input positions whose token the previous step sampled and the host has not read: [2, P] int64
+    # (step token index, row of the previous step's tokens), or None
+    pending: np.ndarray | None = None
 
 
 def build_host_step(
@@ -95,10 +98,20 @@ def build_host_step(
 
     cu_real = np.zeros(num_real + 1, dtype=np.int64)
     np.cumsum(q_lens, out=cu_real[1:])
+    pending_dst: list[int] = []  # step token index <- row of the previous step's sampled tokens
+    pending_src: list[int] = []
     for i, s in enumerate(items):
         request = s.request
         block_tables[i, : len(request.block_ids)] = request.block_ids
-        input_ids[cu_real[i] : cu_real[i + 1]] = request.all_token_ids[s.start : s.start + s.num_tokens]
+        first, end = int(cu_real[i]), int(cu_real[i + 1])
+        if request.num_pending_tokens and end - first + s.start > len(request.all_token_ids):
+            # its last token is still on the device (sampled by the step in flight): the runner fills it in
+            known = len(request.all_token_ids) - s.start
+            input_ids[first : first + known] = request.all_token_ids[s.start :]
+            pending_dst.append(first + known)
+            pending_src.append(request.pending_row)
+        else:
+            input_ids[first:end] = request.all_token_ids[s.start : s.start + s.num_tokens]
     seq_of_token = np.repeat(np.arange(num_real), q_lens)
     pos = np.arange(int(cu_real[-1])) - cu_real[seq_of_token] + starts[seq_of_token]
     positions[: len(pos)] = pos
@@ -121,6 +134,7 @@ def build_host_step(
         max_seqlen_k=int(seq_lens_real.max()),
         sample_requests=[items[i].request for i in sample_rows],
         num_sampled=len(sample_rows),
+        pending=np.array([pending_dst, pending_src], dtype=np.int64) if pending_dst else None,
     )
 
 

@@ -21,6 +21,7 @@ class Temperature:
     """``TemperatureLogitsWarper``: scores / temperature."""
 
     name = "temperature"
+    reads_history = False
 
     def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: "StageContext") -> torch.Tensor:
         return scores / _row_values(payloads, scores)
@@ -30,6 +31,7 @@ class TopK:
     """``TopKLogitsWarper``: drop tokens below the k-th largest score."""
 
     name = "top_k"
+    reads_history = False
 
     def apply(self, scores: torch.Tensor, payloads: list[int], requests: list, context: "StageContext") -> torch.Tensor:
         vocab_size = scores.shape[-1]
@@ -48,6 +50,7 @@ class TopP:
     """``TopPLogitsWarper``: keep the smallest set of top tokens holding ``top_p`` of the mass."""
 
     name = "top_p"
+    reads_history = False
 
     def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: "StageContext") -> torch.Tensor:
         sorted_logits, sorted_indices = torch.sort(scores, descending=False)
@@ -63,6 +66,7 @@ class MinP:
     """``MinPLogitsWarper``: drop tokens less likely than ``min_p`` times the top token."""
 
     name = "min_p"
+    reads_history = False
 
     def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: "StageContext") -> torch.Tensor:
         probs = torch.softmax(scores, dim=-1)
@@ -76,6 +80,7 @@ class Typical:
     """``TypicalLogitsWarper`` (locally typical sampling) with mass ``typical_p``."""
 
     name = "typical_p"
+    reads_history = False
 
     def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: "StageContext") -> torch.Tensor:
         normalized = torch.nn.functional.log_softmax(scores, dim=-1)
@@ -102,6 +107,7 @@ class Epsilon:
     """``EpsilonLogitsWarper``: drop tokens with probability below ``epsilon_cutoff``."""
 
     name = "epsilon_cutoff"
+    reads_history = False
 
     def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: "StageContext") -> torch.Tensor:
         probabilities = scores.softmax(dim=-1)
@@ -113,6 +119,7 @@ class Eta:
     """``EtaLogitsWarper``: drop tokens below min(eta, sqrt(eta) * exp(-entropy))."""
 
     name = "eta_cutoff"
+    reads_history = False
 
     def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: "StageContext") -> torch.Tensor:
         probabilities = scores.softmax(dim=-1)
@@ -129,6 +136,7 @@ class Renormalize:
     """``LogitNormalization`` (``renormalize_logits=True``): log-softmax."""
 
     name = "renormalize_logits"
+    reads_history = False
 
     def apply(self, scores: torch.Tensor, payloads: list, requests: list, context: "StageContext") -> torch.Tensor:
         return scores.log_softmax(dim=-1)

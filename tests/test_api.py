@@ -163,11 +163,11 @@ def test_failure_mid_run_frees_every_block_and_the_next_call_is_exact(model, mon
     real_execute = runner.execute
     calls = {"n": 0}
 
-    def flaky(out):
+    def flaky(out, *args):
         calls["n"] += 1
         if calls["n"] == 6:
             raise exc_type("injected failure")
-        return real_execute(out)
+        return real_execute(out, *args)
 
     monkeypatch.setattr(runner, "execute", flaky)
     with pytest.raises(exc_type, match="injected failure"):

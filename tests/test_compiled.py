@@ -18,7 +18,9 @@ def test_compiled_decode_forward_matches_stock_generate():
     model = make_model("llama")
     prompts = random_prompts([5, 9, 3], seed=1)
     expected = reference_generate(model, prompts, max_new_tokens=6, do_sample=False)
-    hfpaged.patch(model, num_blocks=64, block_size=4, attention_backend="triton", enable_prefix_caching=False)
+    # the test drives the scheduler itself after the prefill: no step may be left in flight
+    hfpaged.patch(model, num_blocks=64, block_size=4, attention_backend="triton", enable_prefix_caching=False,
+                  async_scheduling=False)
     engine = hfpaged.Engine(model)
     for p in prompts:
         engine.add_request(p, max_new_tokens=6, do_sample=False)

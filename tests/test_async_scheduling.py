@@ -1,0 +1,152 @@
+"""Overlapped steps (``async_scheduling``): a step's tokens are read back while the next step runs.
+
+The next step reads them on the device; a request that stopped on one of them was planned into the
+next step too, and that extra row is dropped. Outputs must equal the synchronous engine's and stock
+``generate``'s token for token, and every block must come back.
+"""
+
+import pytest
+import torch
+
+import hfpaged
+from bpe_tokenizer import make_tokenizer
+from models import make_model, random_prompts, reference_generate
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+]
+LENGTHS = [1, 3, 9, 17, 33, 64, 5, 40]
+
+
+def run_engine(model, prompts, **settings):
+    """Every request through one Engine; returns (output ids per prompt, engine, outputs per step)."""
+    engine = hfpaged.Engine(model)
+    ids = [engine.add_request(p, **settings) for p in prompts]
+    requests = [engine.requests[i] for i in ids]
+    per_step = []
+    while engine.has_unfinished():
+        per_step.append(engine.step())
+    return [r.output_token_ids for r in requests], engine, per_step
+
+
+def assert_pool_free(model):
+    st = hfpaged.stats(model)
+    assert st["num_free_blocks"] == st["num_blocks"], st
+
+
+def eos_mid_way(model, prompts, device):
+    free = reference_generate(model, prompts[:4], max_new_tokens=12, do_sample=False, eos_token_id=None)
+    return next(ids[6] for ids in free if len(set(ids)) > 3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_overlapped_greedy_equals_generate_with_eos_and_preemption(device, preemption_mode):
+    model = make_model("llama").to(device)
+    prompts = random_prompts(LENGTHS, seed=1)
+    eos = eos_mid_way(model, prompts, device)
+    expected = reference_generate(model, prompts, max_new_tokens=24, do_sample=False, eos_token_id=eos)
+    assert any(len(e) < 24 for e in expected), "eos never stopped a prompt mid-way"
+    hfpaged.patch(model, num_blocks=26, block_size=4, max_num_seqs=3, max_num_batched_tokens=24,
+                  preemption_mode=preemption_mode, swap_space=0.001)
+    got, engine, _ = run_engine(model, prompts, max_new_tokens=24, do_sample=False, eos_token_id=eos)
+    assert got == expected
+    assert engine.num_overlapped_steps > 0
+    st = hfpaged.stats(model)
+    assert st["num_preemptions"] > 0
+    if preemption_mode == "swap":
+        assert st["num_swapped_out"] > 0
+    assert_pool_free(model)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_overlapped_sampling_and_logprobs_equal_the_synchronous_engine(device):
+    model = make_model("qwen3").to(device)
+    prompts = random_prompts([4, 11, 30, 2, 19], seed=4)
+    settings = dict(max_new_tokens=16, do_sample=True, seed=7, return_logprobs=True, top_logprobs=2)
+    results = {}
+    for overlap in (True, False):
+        hfpaged.patch(model, num_blocks=40, block_size=4, max_num_seqs=3, async_scheduling=overlap)
+        engine = hfpaged.Engine(model)
+        requests = [engine.requests[engine.add_request(p, **settings)] for p in prompts]
+        while engine.has_unfinished():
+            engine.step()
+        assert (engine.num_overlapped_steps > 0) == overlap
+        results[overlap] = [(r.output_token_ids, r.logprobs, r.top_logprobs) for r in requests]
+        assert_pool_free(model)
+        hfpaged.unpatch(model)
+    for (ids_a, lp_a, top_a), (ids_b, lp_b, top_b) in zip(results[True], results[False]):
+        assert ids_a == ids_b and len(lp_a) == len(ids_a) == len(top_a)
+        assert torch.allclose(torch.tensor(lp_a), torch.tensor(lp_b))
+        assert [sorted(t) for t in top_a] == [sorted(t) for t in top_b]
+
+
+def test_outputs_arrive_one_step_late_and_a_length_stop_is_not_planned_again():
+    model = make_model("llama")
+    hfpaged.patch(model, num_blocks=16, block_size=4)
+    prompt = random_prompts([6], seed=2)[0]
+    expected = reference_generate(model, [prompt], max_new_tokens=3, do_sample=False)[0]
+    got, engine, per_step = run_engine(model, [prompt], max_new_tokens=3, do_sample=False)
+    assert got == [expected]
+    # step 1 prefills (nothing read yet); steps 2-3 decode and read the token before; step 4 only reads the
+    # third token: the request reached max_new_tokens with it, so it was not planned into another forward
+    assert [[o.new_token_ids for o in step] for step in per_step] == [[], [expected[:1]], [expected[1:2]], [expected[2:]]]
+    assert per_step[-1][0].finished and per_step[-1][0].finish_reason == "length"
+    runner = engine.runner
+    assert runner.num_eager_steps + runner.num_graph_steps == 3  # as many forwards as the synchronous engine
+    assert_pool_free(model)
+
+
+def test_abort_while_a_step_is_in_flight_frees_its_blocks_and_the_rest_stay_exact():
+    model = make_model("llama")
+    prompts = random_prompts([7, 12, 5], seed=3)
+    expected = reference_generate(model, prompts, max_new_tokens=10, do_sample=False)
+    hfpaged.patch(model, num_blocks=32, block_size=4)
+    engine = hfpaged.Engine(model)
+    ids = [engine.add_request(p, max_new_tokens=10, do_sample=False) for p in prompts]
+    requests = [engine.requests[i] for i in ids]
+    for _ in range(3):
+        engine.step()
+    assert engine.in_flight is not None and requests[1].num_pending_tokens == 1
+    engine.abort(ids[1])
+    assert requests[1].is_finished and requests[1].num_pending_tokens == 0
+    while engine.has_unfinished():
+        engine.step()
+    assert requests[0].output_token_ids == expected[0]
+    assert requests[2].output_token_ids == expected[2]
+    assert requests[1].output_token_ids == expected[1][: len(requests[1].output_token_ids)]
+    assert_pool_free(model)
+
+    # abort_all with a step in flight: nothing is left to run, and the next call is exact
+    engine = hfpaged.Engine(model)
+    for p in prompts:
+        engine.add_request(p, max_new_tokens=10, do_sample=False)
+    engine.step()
+    engine.step()
+    engine.abort_all()
+    assert not engine.has_unfinished()
+    assert_pool_free(model)
+    assert [r.token_ids for r in model.generate_many(prompts, max_new_tokens=10, do_sample=False)] == expected
+
+
+def test_overlapped_stop_strings_and_prefix_cache_equal_generate():
+    tokenizer = make_tokenizer()
+    model = make_model("llama", vocab_size=len(tokenizer), seed=3)
+    system = tokenizer("the stop sign and the stars")["input_ids"]
+    prompts = [system + tokenizer(t)["input_ids"] for t in ["question: what", "a quick brown", "café"]]
+    free = reference_generate(model, prompts, max_new_tokens=12, do_sample=False)
+    # a stop string that free-running decoding of the first prompt produces mid-way
+    text = tokenizer.decode(free[0])
+    stop = next((text[i : i + 2] for i in range(2, len(text) - 2) if text[i : i + 2].isprintable()
+                 and text[i : i + 2].strip()), None)
+    assert stop is not None, text
+    expected = reference_generate(model, prompts, max_new_tokens=12, do_sample=False, stop_strings=[stop],
+                                  tokenizer=tokenizer)
+    assert len(expected[0]) < 12
+    hfpaged.patch(model, num_blocks=40, block_size=4, max_num_seqs=1, tokenizer=tokenizer)  # one after another: later prompts hit the cache
+    got, engine, _ = run_engine(model, prompts, max_new_tokens=12, do_sample=False, stop_strings=[stop])
+    assert got == expected
+    assert engine.num_overlapped_steps > 0
+    assert hfpaged.stats(model)["prefix_cache_hits"] > 0
+    assert_pool_free(model)
