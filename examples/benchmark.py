@@ -216,13 +216,14 @@ def batch1_latency(model, prompt_len=128, new_tokens=256):
     engine.add_request(list(range(100, 100 + prompt_len)), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
     engine.step()  # prefill
     engine.step()  # first decode (may capture graphs)
+    runner = engine.runner
+    forwards = runner.num_graph_steps + runner.num_eager_steps
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    n = 0
     while engine.has_unfinished():
         engine.step()
-        n += 1
     torch.cuda.synchronize()
+    n = runner.num_graph_steps + runner.num_eager_steps - forwards  # decode forwards timed (one token each)
     return (time.perf_counter() - t0) / n * 1e3
 
 

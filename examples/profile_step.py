@@ -1,6 +1,6 @@
 """Where does a decode step's time go? Host phases (cProfile) and device kernels (torch profiler).
 
-    python examples/profile_step.py --model qwen3-0.6b --batch 256 --context 1024 --out prof_out
+    python examples/profile_step.py --model qwen3-0.6b --batch 256 --context 1024 --compile --out prof_out
 
 Builds a random-weight model in a real shape (see benchmark.py), fills the engine with ``--batch``
 requests of ``--context`` prompt tokens, then profiles ``--steps`` decode steps: a cProfile of the
@@ -30,12 +30,14 @@ def main(argv=None):
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", default="prof_out")
+    parser.add_argument("--compile", action="store_true", help="patch(compile=True): compiled decode graphs")
+    parser.add_argument("--no-async", action="store_true", help="async_scheduling=False (read tokens every step)")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     import hfpaged
 
     model = build_model(args.model, torch.bfloat16)
-    hfpaged.patch(model, max_num_seqs=max(args.batch))
+    hfpaged.patch(model, max_num_seqs=max(args.batch), compile=args.compile, async_scheduling=not args.no_async)
     for batch in args.batch:
         engine = hfpaged.Engine(model)
         gen = torch.Generator().manual_seed(0)
@@ -74,6 +76,20 @@ def main(argv=None):
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / args.steps
         print(f"batch {batch}: {wall * 1e3:.2f} ms/step wall; phases (ms/step): "
+              + ", ".join(f"{k} {v / engine.timings['steps'] * 1e3:.2f}" for k, v in engine.timings.items() if k != "steps"))
+
+        # the same steps with every step waiting for its own tokens (no overlap), for comparison
+        config = engine.state.config
+        saved, config.async_scheduling = config.async_scheduling, not config.async_scheduling
+        engine.timings.clear()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / args.steps
+        config.async_scheduling = saved
+        print(f"batch {batch}: {wall * 1e3:.2f} ms/step wall with async_scheduling={not saved}; phases (ms/step): "
               + ", ".join(f"{k} {v / engine.timings['steps'] * 1e3:.2f}" for k, v in engine.timings.items() if k != "steps"))
 
         # device kernels
