@@ -75,6 +75,27 @@ def _copy_to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event 
     return host, event
 
 
+_ARGMAX_CHUNKS = 64
+
+
+def row_argmax(scores: torch.Tensor) -> torch.Tensor:
+    """``scores.argmax(dim=-1)`` (the first maximum on ties), fast for a few long rows.
+
+    One row of a large vocabulary is a single-block reduction on the GPU (~37 us for 128k logits on an
+    H100); with few rows the vocabulary is reduced in chunks first (the max of each chunk, then of
+    the chunk maxima), which spreads the work over many blocks and keeps the first-maximum rule.
+    """
+    num_rows, vocab = scores.shape
+    if num_rows >= 32 or vocab < 4096:
+        return scores.argmax(dim=-1)
+    width = -(-vocab // _ARGMAX_CHUNKS)
+    if width * _ARGMAX_CHUNKS != vocab:
+        scores = torch.nn.functional.pad(scores, (0, width * _ARGMAX_CHUNKS - vocab), value=float("-inf"))
+    values, index = scores.view(num_rows, _ARGMAX_CHUNKS, width).max(dim=-1)
+    chunk = values.argmax(dim=-1, keepdim=True)
+    return (chunk * width + index.gather(1, chunk))[:, 0]
+
+
 class SampledTokens:
     """One step's picks: the tokens on the device (the next step can read them there) and their copy to
     the host, started when sampling was launched; ``result()`` waits for that copy only."""
@@ -124,7 +145,7 @@ class Sampler:
         """Pick one token per row on the device and start copying the picks to the host; no sync."""
         if not any(r.params.stages or r.params.do_sample or r.params.return_logprobs for r in requests):
             # plain greedy: argmax of the raw logits (a bf16 -> fp32 upcast keeps order and ties)
-            return SampledTokens(logits.argmax(dim=-1), requests, [], 0)
+            return SampledTokens(row_argmax(logits), requests, [], 0)
         scores = logits.float()
         if any(r.params.stages for r in requests):
             context = self._stage_context(scores)
