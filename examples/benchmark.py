@@ -180,6 +180,7 @@ def run_hfpaged(model, prompts, out_lens, track_usage=False):
     num_tokens = 0
     step_log = []  # (seconds, graph step?, batch size)
     runner = engine.runner
+    compiles = watch_triton_compiles()
     while engine.has_unfinished():
         graph_steps = runner.num_graph_steps
         ts = time.perf_counter()
@@ -194,7 +195,34 @@ def run_hfpaged(model, prompts, out_lens, track_usage=False):
     dt = time.perf_counter() - t0
     usage = real_tokens / used_slots if used_slots else None
     engine.step_log = step_log
+    engine.triton_compiles = compiles.stop()
     return num_tokens, dt, usage, engine
+
+
+class watch_triton_compiles:
+    """Records the Triton kernels compiled (in-memory cache misses) while it is active: a compile inside
+    a timed run is a warm-up gap."""
+
+    def __init__(self):
+        self.events = []
+        self.knobs = None
+        try:
+            from triton import knobs
+
+            self.knobs = knobs
+            self.previous = knobs.runtime.jit_cache_hook
+            knobs.runtime.jit_cache_hook = self._hook
+        except (ImportError, AttributeError):
+            pass
+
+    def _hook(self, *, repr, **_):
+        self.events.append(repr[:400])
+        return None
+
+    def stop(self):
+        if self.knobs is not None:
+            self.knobs.runtime.jit_cache_hook = self.previous
+        return self.events
 
 
 def summarize_steps(step_log):
@@ -324,7 +352,10 @@ def bench_model(name, args, bandwidth):
             log(f"[{kind}] hfpaged: {tokens} tokens in {dt:.2f}s = {tokens / dt:,.0f} tok/s, KV slot usage {usage:.1%}, "
                 f"graph/eager steps {engine.runner.num_graph_steps}/{engine.runner.num_eager_steps}")
             w["hfpaged"]["steps"] = summarize_steps(engine.step_log)
+            w["hfpaged"]["triton_compiles_in_run"] = engine.triton_compiles
             log(f"    steps: {w['hfpaged']['steps']}")
+            for event in engine.triton_compiles:
+                log(f"    Triton compile inside the timed run: {event}")
             steps = max(timings.get("steps", 1), 1)
             log("    per step (ms): " + ", ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in timings.items() if k != "steps"))
         except Exception:

@@ -130,6 +130,8 @@ class ModelRunner:
             self._warmed = True
             return
         self._warmed = True
+        from .kernels.paged_attention import SEARCH_BLOCK_SEQ_COUNTS
+
         signatures: dict[tuple, int] = {}
         for index, layer in enumerate(self.state.layers):
             key = (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.head_dim_v, layer.dtype,
@@ -137,26 +139,37 @@ class ModelRunner:
             signatures.setdefault(key, index)
         bs = self.block_size
         capacity = self.state.pool.num_blocks * bs
+        budget = max(self.state.config.max_num_batched_tokens, 64)
+        # The kernel's variants follow the tile config (from the longest query run and the split count) and
+        # the sequence-search width (num_seqs < 64, < 256, or more): one batch of each kind, both with every
+        # sequence at the same query length and with one long run among one-token decodes (mixed steps).
+        max_seqs = self.state.config.max_num_seqs
+        seq_counts = sorted({min(n, max_seqs) for n in SEARCH_BLOCK_SEQ_COUNTS})
+        shapes = set()
+        for q_len in (1, 2, 4, 8, 16, 32, 64, 256, 2048):
+            for num_seqs in seq_counts:
+                shapes.add((q_len,) * num_seqs)
+                shapes.add((q_len,) + (1,) * (num_seqs - 1))
         for (num_heads, _, head_dim, _, dtype, window, softcap), index in signatures.items():
             k_cache, v_cache = self.state.kv_caches[index]
             device = k_cache.device
-            for q_len in (1, 2, 4, 8, 16, 32, 64, 256, 2048):
-                for num_seqs in (1, 64):
-                    context = min(max(q_len, 4096), capacity)
-                    if q_len > context or num_seqs * q_len > max(self.state.config.max_num_batched_tokens, 64):
-                        continue
-                    num_blocks = -(-context // bs)
-                    width = -(-num_blocks // 16) * 16  # as build_host_step pads it
-                    block_tables = torch.zeros(num_seqs, width, dtype=torch.int32, device=device)
-                    block_tables[:, :num_blocks] = torch.arange(num_blocks, dtype=torch.int32, device=device)
-                    seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=device)
-                    cu = torch.arange(0, (num_seqs + 1) * q_len, q_len, dtype=torch.int32, device=device)
-                    q = torch.randn(num_seqs * q_len, num_heads, head_dim, dtype=dtype, device=device)
-                    self.attention_fn(q, k_cache, v_cache, block_tables, seq_lens, cu, scale=head_dim**-0.5,
-                                      sliding_window=window, softcap=softcap, max_seqlen_q=q_len, max_seqlen_k=context)
-                    slots = torch.full((num_seqs * q_len,), -1, dtype=torch.int32, device=device)
-                    kv = torch.zeros(num_seqs * q_len, k_cache.shape[2], k_cache.shape[3], dtype=dtype, device=device)
-                    self.store_fn(kv, kv, k_cache, v_cache, slots)
+            for q_lens in sorted(shapes):
+                max_q, num_seqs, num_tokens = max(q_lens), len(q_lens), sum(q_lens)
+                context = min(max(max_q, 4096), capacity)
+                if max_q > context or num_tokens > budget:
+                    continue
+                num_blocks = -(-context // bs)
+                width = -(-num_blocks // 16) * 16  # as build_host_step pads it
+                block_tables = torch.zeros(num_seqs, width, dtype=torch.int32, device=device)
+                block_tables[:, :num_blocks] = torch.arange(num_blocks, dtype=torch.int32, device=device)
+                seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=device)
+                cu = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+                q = torch.randn(num_tokens, num_heads, head_dim, dtype=dtype, device=device)
+                self.attention_fn(q, k_cache, v_cache, block_tables, seq_lens, cu, scale=head_dim**-0.5,
+                                  sliding_window=window, softcap=softcap, max_seqlen_q=max_q, max_seqlen_k=context)
+                slots = torch.full((num_tokens,), -1, dtype=torch.int32, device=device)
+                kv = torch.zeros(num_tokens, k_cache.shape[2], k_cache.shape[3], dtype=dtype, device=device)
+                self.store_fn(kv, kv, k_cache, v_cache, slots)
         torch.cuda.synchronize(self.device)
 
     def _graph_forward(self, step: DeviceStep) -> torch.Tensor:

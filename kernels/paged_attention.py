@@ -57,6 +57,16 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
     check_dim("cu_seqlens_q", cu_seqlens_q, 0, num_seqs + 1, "seq_lens.shape[0] + 1")
 
 
+# Sequence counts that pick each width of the kernel's sequence search (a compile-time constant): a
+# warm-up that wants every variant compiled runs one batch of each.
+SEARCH_BLOCK_SEQ_COUNTS = (1, 64, 256)
+
+
+def search_block(num_seqs: int) -> int:
+    """How many cu_seqlens_q entries a program scans at once to find its sequence."""
+    return 64 if num_seqs < 64 else (256 if num_seqs < 256 else 1024)
+
+
 def paged_attention_with_config(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -134,7 +144,7 @@ def paged_attention_with_config(
         USE_WINDOW=use_window,
         SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        SEARCH_BLOCK=64 if num_seqs < 64 else (256 if num_seqs < 256 else 1024),
+        SEARCH_BLOCK=search_block(num_seqs),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
