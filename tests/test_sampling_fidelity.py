@@ -199,13 +199,17 @@ def test_greedy_rows_take_the_argmax_and_logprobs_are_of_the_processed_distribut
         assert abs(out.logprobs[row] - float(expected)) < 1e-6
 
 
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])],
+)
 @pytest.mark.parametrize("vocab", [4096, 50257, 151936])
-def test_row_argmax_equals_argmax_with_ties_and_ragged_vocab(vocab):
+def test_row_argmax_equals_argmax_with_ties_and_ragged_vocab(vocab, device):
     from hfpaged.sampling import row_argmax
 
     gen = torch.Generator().manual_seed(vocab)
     for dtype in (torch.float32, torch.bfloat16):
-        scores = torch.randn(5, vocab, generator=gen).to(dtype)
+        scores = torch.randn(5, vocab, generator=gen).to(dtype).to(device)
         scores[1, 7] = scores[1, vocab - 1] = 40.0  # a tie across chunks: the first wins
         scores[2, vocab - 1] = 40.0  # the maximum in the last, partly padded chunk
         scores[3] = float("-inf")
