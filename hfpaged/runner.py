@@ -54,7 +54,8 @@ class ModelRunner:
         self.block_size = state.config.block_size
         self.supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.store_fn, self.attention_fn = state.attention_functions()
-        single_cuda_device = self.device.type == "cuda" and all(layer.device == self.device for layer in state.layers)
+        self.single_device = all(layer.device == self.device for layer in state.layers)
+        single_cuda_device = self.device.type == "cuda" and self.single_device
         self.use_graphs = (
             single_cuda_device
             and state.use_triton
@@ -98,7 +99,7 @@ class ModelRunner:
 
     # --- forward ----------------------------------------------------------------------------------
 
-    def forward(self, step: DeviceStep, logits_indices: torch.Tensor | int | None = None) -> torch.Tensor:
+    def forward(self, step: DeviceStep, logits_indices: torch.Tensor | list[int] | int | None = None) -> torch.Tensor:
         """The unmodified model over a packed step with paged attention; logits ``[n, vocab]``."""
         context = ForwardContext(
             "paged",
@@ -246,5 +247,11 @@ class ModelRunner:
         step = device_views(
             buffer, host.num_tokens, host.num_reqs, host.width, host.max_seqlen_q, host.max_seqlen_k, host.num_sampled
         )
+        keep = None
+        if not self.single_device and self.supports_logits_to_keep:
+            # Layers on several devices: the model indexes its last hidden states (on whichever device the
+            # final norm ran) with logits_to_keep. accelerate's hooks move tensor arguments to the first
+            # device, so the indices go as a list of ints, which indexes a tensor on any device.
+            keep = host.packed[at["logits_indices"]][: host.num_sampled].tolist()
         self.num_eager_steps += 1
-        return self.forward(step), host.sample_requests
+        return self.forward(step, logits_indices=keep), host.sample_requests

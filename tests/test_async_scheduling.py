@@ -150,3 +150,19 @@ def test_overlapped_stop_strings_and_prefix_cache_equal_generate():
     assert engine.num_overlapped_steps > 0
     assert hfpaged.stats(model)["prefix_cache_hits"] > 0
     assert_pool_free(model)
+
+
+def test_logits_index_as_a_list_for_models_spread_over_devices():
+    """Models on several devices take logits_to_keep as a list of ints (accelerate moves tensors to its
+    first device); the same path on one device must give the same tokens, empty prefill-chunk steps included."""
+    model = make_model("llama")
+    prompts = random_prompts(LENGTHS, seed=5)
+    expected = reference_generate(model, prompts, max_new_tokens=8, do_sample=False)
+    hfpaged.patch(model, num_blocks=40, block_size=4, max_num_seqs=3, max_num_batched_tokens=24)
+    runner = hfpaged.Engine(model).runner
+    runner.single_device = False  # as if the layers were spread over devices
+    try:
+        assert [r.token_ids for r in model.generate_many(prompts, max_new_tokens=8, do_sample=False)] == expected
+    finally:
+        runner.single_device = True
+    assert_pool_free(model)

@@ -85,3 +85,23 @@ def test_device_map_layers_on_two_devices_keep_their_kv_there():
     assert caches[0][0].device.type == "cpu" and caches[1][0].device.type == "cuda"
     results = model.generate_many(prompts, max_new_tokens=10, do_sample=False)
     assert [r.token_ids for r in results] == expected
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_device_map_over_two_gpus_keeps_kv_with_each_layer_and_stays_exact():
+    """accelerate's dispatch_model (what from_pretrained(device_map=...) does) over cuda:0 and cuda:1."""
+    from accelerate import dispatch_model
+
+    model = make_model("qwen3")
+    prompts = random_prompts(LENGTHS, seed=7)
+    expected = reference_generate(model, prompts, max_new_tokens=16, do_sample=False)
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 1,
+                  "model.norm": 1, "lm_head": 1}
+    model = dispatch_model(model, device_map=device_map)
+    hfpaged.patch(model, num_blocks=26, block_size=4, max_num_seqs=3, max_num_batched_tokens=24)
+    caches = model._hfpaged.kv_caches
+    assert caches[0][0].device == torch.device("cuda:0") and caches[1][0].device == torch.device("cuda:1")
+    results = model.generate_many(prompts, max_new_tokens=16, do_sample=False)
+    assert [r.token_ids for r in results] == expected
+    st = hfpaged.stats(model)
+    assert st["num_preemptions"] > 0 and st["num_free_blocks"] == st["num_blocks"]
