@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -54,3 +55,11 @@ def check_dim(name: str, tensor: torch.Tensor, dim: int, expected: int, why: str
 def next_power_of_2(n: int) -> int:
     """Smallest power of two >= n (and >= 1)."""
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def launch_device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Make ``tensor``'s GPU the current one for a launch (Triton launches on the current device's stream):
+    a no-op unless the tensor lives on another GPU (models spread over several GPUs)."""
+    if tensor.is_cuda and tensor.device.index is not None and tensor.device.index != torch.cuda.current_device():
+        return torch.cuda.device(tensor.device)
+    return contextlib.nullcontext()
