@@ -18,7 +18,7 @@ from .patch import PatchState, get_state, patch
 from .prompt_settings import CallOptions, PromptSpec, expand_prompts, split_call_options
 from .request import Request, RequestStatus
 from .runner import ModelRunner
-from .sampling import SampledTokens, Sampler
+from .sampling import SampledTokens, Sampler, SamplerOutput
 from .scheduler import Scheduler
 
 _request_counter = itertools.count()
@@ -265,7 +265,7 @@ class Engine:
                     request.num_pending_tokens = 1
                     request.pending_row = row
             self.in_flight = launched
-            self.num_overlapped_steps += 1
+            self.num_overlapped_steps += launched is not None
         else:
             outputs = self._finish_in_flight()  # this step's processors see every earlier token
             t3 = clock()
@@ -295,7 +295,9 @@ class Engine:
         self.timings["wait"] += time.perf_counter() - t0  # the host idle, waiting for the device
         return self._take(launched.requests, picked)
 
-    def _take(self, requests: list[Request], picked, forks: dict[str, list[Request]] | None = None) -> list[RequestOutput]:
+    def _take(
+        self, requests: list[Request], picked: SamplerOutput, forks: dict[str, list[Request]] | None = None
+    ) -> list[RequestOutput]:
         """Append sampled tokens (and log-probs), finish requests that stop; one output per request that grew."""
         for request, logprob, top in zip(requests, picked.logprobs, picked.top_logprobs):
             if logprob is not None and not request.is_finished:
