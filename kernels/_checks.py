@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import os
 
 import torch
@@ -57,9 +57,15 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def launch_device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
-    """Make ``tensor``'s GPU the current one for a launch (Triton launches on the current device's stream):
-    a no-op unless the tensor lives on another GPU (models spread over several GPUs)."""
-    if tensor.is_cuda and tensor.device.index is not None and tensor.device.index != torch.cuda.current_device():
-        return torch.cuda.device(tensor.device)
-    return contextlib.nullcontext()
+def launches_on_first_tensor_gpu(fn):
+    """Run a kernel wrapper with its first tensor's GPU current (Triton launches on the current device's
+    stream); nothing changes unless that tensor lives on another GPU (models spread over several GPUs)."""
+
+    @functools.wraps(fn)
+    def wrapper(first: torch.Tensor, *args, **kwargs):
+        if first.is_cuda and first.device.index is not None and first.device.index != torch.cuda.current_device():
+            with torch.cuda.device(first.device):
+                return fn(first, *args, **kwargs)
+        return fn(first, *args, **kwargs)
+
+    return wrapper

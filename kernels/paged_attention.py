@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import FLOAT_DTYPES, check_devices, check_dim, check_tensor, launch_device, next_power_of_2
+from ._checks import FLOAT_DTYPES, check_devices, check_dim, check_tensor, launches_on_first_tensor_gpu, next_power_of_2
 from .attention_config import AttentionConfig, choose_config
 from .attention_kernel import _paged_attention_kernel
 from .split_merge import _merge_splits_kernel
@@ -67,6 +67,7 @@ def search_block(num_seqs: int) -> int:
     return 64 if num_seqs < 64 else (256 if num_seqs < 256 else 1024)
 
 
+@launches_on_first_tensor_gpu
 def paged_attention_with_config(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -85,25 +86,6 @@ def paged_attention_with_config(
 
     ``out`` (contiguous ``[T, num_heads, head_dim_v]`` in q's dtype) is written in place when given.
     """
-    with launch_device(q):
-        return _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale, config=config,
-                       sliding_window=sliding_window, softcap=softcap, out=out)
-
-
-def _launch(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    *,
-    scale: float,
-    config: AttentionConfig,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     head_dim_v = v_cache.shape[3]

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import FLOAT_DTYPES, check_devices, check_dim, check_tensor, launch_device, next_power_of_2
+from ._checks import FLOAT_DTYPES, check_devices, check_dim, check_tensor, launches_on_first_tensor_gpu, next_power_of_2
 
 
 @triton.jit
@@ -79,6 +79,7 @@ def _store_kv_kernel(
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask_v)
 
 
+@launches_on_first_tensor_gpu
 def store_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -113,23 +114,22 @@ def store_kv(
     tile = heads_pad * max(next_power_of_2(head_dim), next_power_of_2(head_dim_v))
     if num_warps is None:
         num_warps = min(8, max(1, tile // 256))
-    with launch_device(key):
-        _store_kv_kernel[(num_tokens,)](
-            key,
-            value,
-            k_cache,
-            v_cache,
-            slot_mapping,
-            *key.stride(),
-            *value.stride(),
-            *k_cache.stride(),
-            *v_cache.stride(),
-            NUM_KV_HEADS=num_kv_heads,
-            HEADS_PAD=heads_pad,
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=next_power_of_2(head_dim),
-            HEAD_DIM_V=head_dim_v,
-            HEAD_DIM_V_PAD=next_power_of_2(head_dim_v),
-            BLOCK_SIZE=block_size,
-            num_warps=num_warps,
-        )
+    _store_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        *key.stride(),
+        *value.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        NUM_KV_HEADS=num_kv_heads,
+        HEADS_PAD=heads_pad,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=next_power_of_2(head_dim),
+        HEAD_DIM_V=head_dim_v,
+        HEAD_DIM_V_PAD=next_power_of_2(head_dim_v),
+        BLOCK_SIZE=block_size,
+        num_warps=num_warps,
+    )
