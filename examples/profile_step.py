@@ -67,30 +67,20 @@ def main(argv=None):
             f.write(stream.getvalue())
         print("\n".join(stream.getvalue().splitlines()[:60]))
 
-        # wall time without cProfile
-        engine.timings.clear()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            engine.step()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / args.steps
-        print(f"batch {batch}: {wall * 1e3:.2f} ms/step wall; phases (ms/step): "
-              + ", ".join(f"{k} {v / engine.timings['steps'] * 1e3:.2f}" for k, v in engine.timings.items() if k != "steps"))
-
-        # the same steps with every step waiting for its own tokens (no overlap), for comparison
+        # wall time without cProfile, then the same steps with the other async_scheduling setting
         config = engine.state.config
-        saved, config.async_scheduling = config.async_scheduling, not config.async_scheduling
-        engine.timings.clear()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            engine.step()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / args.steps
-        config.async_scheduling = saved
-        print(f"batch {batch}: {wall * 1e3:.2f} ms/step wall with async_scheduling={not saved}; phases (ms/step): "
-              + ", ".join(f"{k} {v / engine.timings['steps'] * 1e3:.2f}" for k, v in engine.timings.items() if k != "steps"))
+        for overlap in (config.async_scheduling, not config.async_scheduling):
+            saved, config.async_scheduling = config.async_scheduling, overlap
+            engine.timings.clear()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                engine.step()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / args.steps
+            config.async_scheduling = saved
+            print(f"batch {batch}: {wall * 1e3:.2f} ms/step wall with async_scheduling={overlap}; phases (ms/step): "
+                  + ", ".join(f"{k} {v / engine.timings['steps'] * 1e3:.2f}" for k, v in engine.timings.items() if k != "steps"))
 
         # device kernels
         from torch.profiler import ProfilerActivity, profile
