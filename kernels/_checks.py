@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import torch
@@ -61,11 +62,14 @@ def launches_on_first_tensor_gpu(fn):
     """Run a kernel wrapper with its first tensor's GPU current (Triton launches on the current device's
     stream); nothing changes unless that tensor lives on another GPU (models spread over several GPUs)."""
 
+    first_name = next(iter(inspect.signature(fn).parameters))
+
     @functools.wraps(fn)
-    def wrapper(first: torch.Tensor, *args, **kwargs):
+    def wrapper(*args, **kwargs):
+        first = args[0] if args else kwargs[first_name]
         if first.is_cuda and first.device.index is not None and first.device.index != torch.cuda.current_device():
             with torch.cuda.device(first.device):
-                return fn(first, *args, **kwargs)
-        return fn(first, *args, **kwargs)
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
 
     return wrapper
