@@ -15,7 +15,8 @@ request's own tokens. Also: batch-1 decode latency against the weight-bandwidth 
 of allocated KV slots holding real tokens during the hfpaged run, and (--prefix) prefix caching
 on vs off over 256 requests sharing a 1,024-token system prompt, and (--sections parallel) the peak
 KV blocks of n=4 parallel sampling (8 prompts of 1,024 tokens, 128 new) vs 4 independent requests
-per prompt, prefix caching off for both.
+per prompt, prefix caching off for both, and (--sections parity) the share of 32 prompts whose first 32
+greedy tokens in bf16 equal stock generate's (each prompt alone).
 """
 
 from __future__ import annotations
@@ -255,6 +256,50 @@ def batch1_latency(model, prompt_len=128, new_tokens=256):
     return (time.perf_counter() - t0) / n * 1e3
 
 
+def bf16_parity(model, num_prompts=32, new_tokens=32, compile=False):
+    """Greedy tokens of generate_many vs stock generate (each prompt alone) in the model's own dtype.
+
+    Random weights give near-tied logits, so low-precision runs part ways after a few tokens whatever
+    computes them. As a yardstick, stock generate with eager attention is compared with stock generate
+    with sdpa the same way: two correct implementations that differ only in rounding.
+    """
+    import hfpaged
+
+    gen = torch.Generator().manual_seed(3)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(10, vocab - 10, (int(n),), generator=gen).tolist()
+               for n in torch.randint(16, 257, (num_prompts,), generator=gen)]
+
+    def stock(implementation):
+        model.set_attn_implementation(implementation)
+        out = []
+        with torch.no_grad():
+            for p in prompts:
+                seq = model.generate(torch.tensor([p], device=model.device), max_new_tokens=new_tokens,
+                                     min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+                out.append(seq[0, len(p):].tolist())
+        return out
+
+    def agreement(got, expected):
+        prefix = [next((i for i, (a, b) in enumerate(zip(g, e)) if a != b), min(len(g), len(e)))
+                  for g, e in zip(got, expected)]
+        return {
+            "share_all_match": sum(g == e for g, e in zip(got, expected)) / num_prompts,
+            "share_first_match": sum(g[:1] == e[:1] for g, e in zip(got, expected)) / num_prompts,
+            "mean_matching_prefix": sum(prefix) / num_prompts,
+        }
+
+    original = model.config._attn_implementation
+    eager = stock("eager")
+    expected = stock("sdpa")
+    model.set_attn_implementation(original)
+    hfpaged.patch(model, compile=compile)
+    got = [r.token_ids for r in model.generate_many(prompts, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)]
+    hfpaged.unpatch(model)
+    return {"prompts": num_prompts, "new_tokens": new_tokens, "dtype": str(next(model.parameters()).dtype),
+            **agreement(got, expected), "stock_eager_vs_sdpa": agreement(eager, expected)}
+
+
 def prefix_caching(model, num_requests=256, system_len=1024, question_len=(16, 64), new_tokens=64):
     """Throughput with prefix caching on vs off over requests sharing a long system prompt."""
     import hfpaged
@@ -397,6 +442,20 @@ def bench_model(name, args, bandwidth):
             if hp and other in w:
                 w[f"speedup_vs_{other}"] = hp / w[other]["tokens_per_s"]
 
+    if "parity" in args.sections:
+        try:
+            res["parity"] = pr = bf16_parity(model, compile=args.compile)
+            log(f"greedy parity ({pr['dtype']}, {pr['prompts']} prompts x {pr['new_tokens']} tokens vs stock generate): "
+                f"{pr['share_all_match']:.0%} match on all tokens, {pr['share_first_match']:.0%} on the first, "
+                f"mean matching prefix {pr['mean_matching_prefix']:.1f} tokens; yardstick, stock eager vs stock sdpa: "
+                f"{pr['stock_eager_vs_sdpa']['share_all_match']:.0%} on all tokens, mean matching prefix "
+                f"{pr['stock_eager_vs_sdpa']['mean_matching_prefix']:.1f}")
+        except Exception:
+            res["parity_error"] = traceback.format_exc()
+            log(res["parity_error"])
+        hfpaged.unpatch(model)
+        gc.collect()
+        torch.cuda.empty_cache()
     if "prefix" in args.sections:
         try:
             res["prefix_caching"] = prefix_caching(model)
@@ -450,6 +509,12 @@ def table(results, bandwidth):
             b = r["batch1"]
             lines.append(f"{r['model']:14} batch-1 decode {b['ms_per_token']:.3f} ms/token; roofline {b['roofline_ms']:.3f} ms "
                          f"-> {b['share_of_roofline']:.0%} of roofline")
+        if "parity" in r:
+            p = r["parity"]
+            lines.append(f"{r['model']:14} greedy parity ({p['dtype']}): {p['share_all_match']:.0%} of {p['prompts']} prompts match "
+                         f"stock generate on all {p['new_tokens']} tokens; mean matching prefix {p['mean_matching_prefix']:.1f} "
+                         f"(stock eager vs sdpa: {p['stock_eager_vs_sdpa']['share_all_match']:.0%}, "
+                         f"{p['stock_eager_vs_sdpa']['mean_matching_prefix']:.1f})")
         if "prefix_caching" in r:
             p = r["prefix_caching"]
             lines.append(f"{r['model']:14} prefix caching on/off: {p['on']['tokens_per_s']:,.0f} / {p['off']['tokens_per_s']:,.0f} tok/s = {p['speedup']:.2f}x")
@@ -497,7 +562,7 @@ def main(argv=None):
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.2-1b"], choices=list(MODELS))
     parser.add_argument("--workloads", nargs="+", default=["nano", "chat"], choices=["nano", "chat"])
     parser.add_argument("--sections", nargs="+", default=["latency", "generate_batch", "stock"],
-                        choices=["latency", "generate_batch", "stock", "prefix", "parallel"])
+                        choices=["latency", "generate_batch", "stock", "prefix", "parallel", "parity"])
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--gb-requests", type=int, default=256, help="requests given to generate_batch (0: skip)")
     parser.add_argument("--stock-requests", type=int, default=64, help="requests given to stock generate (0: skip)")

@@ -87,3 +87,20 @@ def test_bfloat16_model_runs_and_first_tokens_match():
     hfpaged.patch(model, num_blocks=32, block_size=4)
     results = model.generate_many(prompts, max_new_tokens=4, do_sample=False)
     assert [r.token_ids[0] for r in results] == [e[0] for e in expected]
+
+
+def test_benchmark_parity_report_is_exact_in_float32():
+    """examples/benchmark.py --sections parity: in float32 every prompt matches, and so does its yardstick."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import benchmark
+
+    model = make_model("llama")
+    report = benchmark.bf16_parity(model, num_prompts=6, new_tokens=12)
+    assert report["dtype"] == "torch.float32" and report["prompts"] == 6
+    assert report["share_all_match"] == report["share_first_match"] == 1.0
+    assert report["mean_matching_prefix"] == 12
+    assert report["stock_eager_vs_sdpa"]["share_all_match"] == 1.0
+    assert not hasattr(model, "_hfpaged") and model.config._attn_implementation == "sdpa"
