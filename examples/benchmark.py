@@ -256,27 +256,36 @@ def batch1_latency(model, prompt_len=128, new_tokens=256):
     return (time.perf_counter() - t0) / n * 1e3
 
 
-def bf16_parity(model, num_prompts=32, new_tokens=32, compile=False):
+def greedy_parity(model, prompts=None, num_prompts=32, new_tokens=32, compile=False, stop_at_eos=False):
     """Greedy tokens of generate_many vs stock generate (each prompt alone) in the model's own dtype.
 
-    Random weights give near-tied logits, so low-precision runs part ways after a few tokens whatever
-    computes them. As a yardstick, stock generate with eager attention is compared with stock generate
-    with sdpa the same way: two correct implementations that differ only in rounding.
+    Compares the first ``new_tokens`` tokens of each prompt's output. Random weights give near-tied logits,
+    so low-precision runs part ways after a few tokens whatever computes them. As a yardstick, stock
+    generate with eager attention is compared with stock generate with sdpa the same way: two correct
+    implementations that differ only in rounding. Without ``prompts``, random ones of 16-256 tokens; with
+    ``stop_at_eos`` the model's own eos ends a sequence (real models), otherwise eos is ignored.
     """
     import hfpaged
 
-    gen = torch.Generator().manual_seed(3)
-    vocab = model.config.vocab_size
-    prompts = [torch.randint(10, vocab - 10, (int(n),), generator=gen).tolist()
-               for n in torch.randint(16, 257, (num_prompts,), generator=gen)]
+    if prompts is None:
+        gen = torch.Generator().manual_seed(3)
+        vocab = model.config.vocab_size
+        prompts = [torch.randint(10, vocab - 10, (int(n),), generator=gen).tolist()
+                   for n in torch.randint(16, 257, (num_prompts,), generator=gen)]
+    options = dict(max_new_tokens=new_tokens, do_sample=False)
+    if not stop_at_eos:
+        options["eos_token_id"] = None
 
     def stock(implementation):
         model.set_attn_implementation(implementation)
+        extra = {} if stop_at_eos else dict(min_new_tokens=new_tokens, eos_token_id=None)
+        eos = model.generation_config.eos_token_id
+        pad = eos[0] if isinstance(eos, (list, tuple)) else (eos if eos is not None else 0)
         out = []
         with torch.no_grad():
             for p in prompts:
-                seq = model.generate(torch.tensor([p], device=model.device), max_new_tokens=new_tokens,
-                                     min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+                seq = model.generate(torch.tensor([p], device=model.device), max_new_tokens=new_tokens, do_sample=False,
+                                     pad_token_id=pad, **extra)
                 out.append(seq[0, len(p):].tolist())
         return out
 
@@ -284,19 +293,23 @@ def bf16_parity(model, num_prompts=32, new_tokens=32, compile=False):
         prefix = [next((i for i, (a, b) in enumerate(zip(g, e)) if a != b), min(len(g), len(e)))
                   for g, e in zip(got, expected)]
         return {
-            "share_all_match": sum(g == e for g, e in zip(got, expected)) / num_prompts,
-            "share_first_match": sum(g[:1] == e[:1] for g, e in zip(got, expected)) / num_prompts,
-            "mean_matching_prefix": sum(prefix) / num_prompts,
+            "share_all_match": sum(g == e for g, e in zip(got, expected)) / len(prompts),
+            "share_first_match": sum(g[:1] == e[:1] for g, e in zip(got, expected)) / len(prompts),
+            "mean_matching_prefix": sum(prefix) / len(prompts),
         }
 
     original = model.config._attn_implementation
-    eager = stock("eager")
-    expected = stock("sdpa")
-    model.set_attn_implementation(original)
+    try:
+        eager = stock("eager")
+        expected = stock("sdpa")
+    finally:
+        model.set_attn_implementation(original)
     hfpaged.patch(model, compile=compile)
-    got = [r.token_ids for r in model.generate_many(prompts, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)]
-    hfpaged.unpatch(model)
-    return {"prompts": num_prompts, "new_tokens": new_tokens, "dtype": str(next(model.parameters()).dtype),
+    try:
+        got = [r.token_ids for r in model.generate_many(prompts, **options)]
+    finally:
+        hfpaged.unpatch(model)
+    return {"prompts": len(prompts), "new_tokens": new_tokens, "dtype": str(next(model.parameters()).dtype),
             **agreement(got, expected), "stock_eager_vs_sdpa": agreement(eager, expected)}
 
 
@@ -444,7 +457,7 @@ def bench_model(name, args, bandwidth):
 
     if "parity" in args.sections:
         try:
-            res["parity"] = pr = bf16_parity(model, compile=args.compile)
+            res["parity"] = pr = greedy_parity(model, compile=args.compile)
             log(f"greedy parity ({pr['dtype']}, {pr['prompts']} prompts x {pr['new_tokens']} tokens vs stock generate): "
                 f"{pr['share_all_match']:.0%} match on all tokens, {pr['share_first_match']:.0%} on the first, "
                 f"mean matching prefix {pr['mean_matching_prefix']:.1f} tokens; yardstick, stock eager vs stock sdpa: "

@@ -98,9 +98,16 @@ def test_benchmark_parity_report_is_exact_in_float32():
     import benchmark
 
     model = make_model("llama")
-    report = benchmark.bf16_parity(model, num_prompts=6, new_tokens=12)
+    report = benchmark.greedy_parity(model, num_prompts=6, new_tokens=12)
     assert report["dtype"] == "torch.float32" and report["prompts"] == 6
     assert report["share_all_match"] == report["share_first_match"] == 1.0
     assert report["mean_matching_prefix"] == 12
     assert report["stock_eager_vs_sdpa"]["share_all_match"] == 1.0
     assert not hasattr(model, "_hfpaged") and model.config._attn_implementation == "sdpa"
+
+    # given prompts and the model's own eos (what examples/quickstart.py --parity does with a real model)
+    prompts = random_prompts([4, 9, 15, 22], seed=8)
+    model.generation_config.eos_token_id = pick_eos(model, prompts)
+    report = benchmark.greedy_parity(model, prompts, new_tokens=12, stop_at_eos=True)
+    assert report["prompts"] == 4 and report["share_all_match"] == 1.0
+    assert report["mean_matching_prefix"] < 12  # some prompt stopped on eos before 12 tokens
