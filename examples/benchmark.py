@@ -16,7 +16,8 @@ of allocated KV slots holding real tokens during the hfpaged run, and (--prefix)
 on vs off over 256 requests sharing a 1,024-token system prompt, and (--sections parallel) the peak
 KV blocks of n=4 parallel sampling (8 prompts of 1,024 tokens, 128 new) vs 4 independent requests
 per prompt, prefix caching off for both, and (--sections parity) the share of 32 prompts whose first 32
-greedy tokens in bf16 equal stock generate's (each prompt alone).
+greedy tokens in bf16 equal stock generate's (each prompt alone), next to the same share between stock
+generate with eager attention and with sdpa as a yardstick.
 """
 
 from __future__ import annotations

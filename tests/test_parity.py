@@ -5,11 +5,17 @@ max_num_seqs, a pool too small for all requests at once (preemption must happen)
 smaller than the longest prompt (chunked prefill).
 """
 
+import os
+import sys
+
 import pytest
 import torch
 
 import hfpaged
 from models import ARCHS, make_model, random_prompts, reference_generate
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import benchmark  # noqa: E402
 
 LENGTHS = [1, 3, 9, 17, 33, 64, 5, 40]
 NEW_TOKENS = 24
@@ -91,12 +97,6 @@ def test_bfloat16_model_runs_and_first_tokens_match():
 
 def test_benchmark_parity_report_is_exact_in_float32():
     """examples/benchmark.py --sections parity: in float32 every prompt matches, and so does its yardstick."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    import benchmark
-
     model = make_model("llama")
     report = benchmark.greedy_parity(model, num_prompts=6, new_tokens=12)
     assert report["dtype"] == "torch.float32" and report["prompts"] == 6
