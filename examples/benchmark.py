@@ -467,7 +467,6 @@ def bench_model(name, args, bandwidth):
         except Exception:
             res["parity_error"] = traceback.format_exc()
             log(res["parity_error"])
-        hfpaged.unpatch(model)
         gc.collect()
         torch.cuda.empty_cache()
     if "prefix" in args.sections:
