@@ -273,20 +273,18 @@ def greedy_parity(model, prompts=None, num_prompts=32, new_tokens=32, compile=Fa
         vocab = model.config.vocab_size
         prompts = [torch.randint(10, vocab - 10, (int(n),), generator=gen).tolist()
                    for n in torch.randint(16, 257, (num_prompts,), generator=gen)]
-    options = dict(max_new_tokens=new_tokens, do_sample=False)
-    if not stop_at_eos:
-        options["eos_token_id"] = None
+    options = dict(max_new_tokens=new_tokens, do_sample=False) | ({} if stop_at_eos else dict(eos_token_id=None))
+    # stock generate also keeps any default eos of the model's generation config from ending a sequence early
+    stock_options = options | ({} if stop_at_eos else dict(min_new_tokens=new_tokens))
+    eos = model.generation_config.eos_token_id
+    pad = eos[0] if isinstance(eos, (list, tuple)) else (eos if eos is not None else 0)
 
     def stock(implementation):
         model.set_attn_implementation(implementation)
-        extra = {} if stop_at_eos else dict(min_new_tokens=new_tokens, eos_token_id=None)
-        eos = model.generation_config.eos_token_id
-        pad = eos[0] if isinstance(eos, (list, tuple)) else (eos if eos is not None else 0)
         out = []
         with torch.no_grad():
             for p in prompts:
-                seq = model.generate(torch.tensor([p], device=model.device), max_new_tokens=new_tokens, do_sample=False,
-                                     pad_token_id=pad, **extra)
+                seq = model.generate(torch.tensor([p], device=model.device), pad_token_id=pad, **stock_options)
                 out.append(seq[0, len(p):].tolist())
         return out
 
