@@ -318,6 +318,7 @@ class Engine:
                     finished=finished,
                     finish_reason=request.finish_reason,
                     new_logprobs=None if request.logprobs is None else request.logprobs[-1:],
+                    new_top_logprobs=None if request.top_logprobs is None else request.top_logprobs[-1:],
                     all_token_ids=request.all_token_ids,
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_tokens=num_tokens,

@@ -15,6 +15,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop", "length", "time", "abort" or None while running
     new_logprobs: list[float] | None = None  # log-probs of new_token_ids when return_logprobs is on
+    new_top_logprobs: list[dict[int, float]] | None = None  # with top_logprobs=k: the top k per new token
     # The request's prompt + output ids (append-only, shared, not copied each step) and where they end now.
     all_token_ids: list[int] = field(default_factory=list, repr=False)
     num_prompt_tokens: int = 0
