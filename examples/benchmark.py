@@ -176,7 +176,7 @@ def run_hfpaged(model, prompts, out_lens, track_usage=False):
     for p, n in zip(prompts, out_lens):
         engine.add_request(p, max_new_tokens=n, do_sample=False, eos_token_id=None)
     used_slots = real_tokens = 0
-    block_size = engine.state.config.block_size
+    block_size = engine.core.state.config.block_size
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     num_tokens = 0
@@ -190,9 +190,9 @@ def run_hfpaged(model, prompts, out_lens, track_usage=False):
         step_log.append((time.perf_counter() - ts, runner.num_graph_steps > graph_steps, len(outputs)))
         num_tokens += len(outputs)
         if track_usage:
-            running = engine.scheduler.running
+            running = engine.core.scheduler.running
             real_tokens += sum(r.num_computed_tokens for r in running)
-            used_slots += sum(len(r.block_ids) for r in running) * block_size
+            used_slots += sum(len(engine.core.kv.block_ids(r)) for r in running) * block_size
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     usage = real_tokens / used_slots if used_slots else None
@@ -257,61 +257,6 @@ def batch1_latency(model, prompt_len=128, new_tokens=256):
     return (time.perf_counter() - t0) / n * 1e3
 
 
-def greedy_parity(model, prompts=None, num_prompts=32, new_tokens=32, compile=False, stop_at_eos=False):
-    """Greedy tokens of generate_many vs stock generate (each prompt alone) in the model's own dtype.
-
-    Compares the first ``new_tokens`` tokens of each prompt's output. Random weights give near-tied logits,
-    so low-precision runs part ways after a few tokens whatever computes them. As a yardstick, stock
-    generate with eager attention is compared with stock generate with sdpa the same way: two correct
-    implementations that differ only in rounding. Without ``prompts``, random ones of 16-256 tokens; with
-    ``stop_at_eos`` the model's own eos ends a sequence (real models), otherwise eos is ignored.
-    """
-    import hfpaged
-
-    if prompts is None:
-        gen = torch.Generator().manual_seed(3)
-        vocab = model.config.vocab_size
-        prompts = [torch.randint(10, vocab - 10, (int(n),), generator=gen).tolist()
-                   for n in torch.randint(16, 257, (num_prompts,), generator=gen)]
-    options = dict(max_new_tokens=new_tokens, do_sample=False) | ({} if stop_at_eos else dict(eos_token_id=None))
-    # stock generate also keeps any default eos of the model's generation config from ending a sequence early
-    stock_options = options | ({} if stop_at_eos else dict(min_new_tokens=new_tokens))
-    eos = model.generation_config.eos_token_id
-    pad = eos[0] if isinstance(eos, (list, tuple)) else (eos if eos is not None else 0)
-
-    def stock(implementation):
-        model.set_attn_implementation(implementation)
-        out = []
-        with torch.no_grad():
-            for p in prompts:
-                seq = model.generate(torch.tensor([p], device=model.device), pad_token_id=pad, **stock_options)
-                out.append(seq[0, len(p):].tolist())
-        return out
-
-    def agreement(got, expected):
-        prefix = [next((i for i, (a, b) in enumerate(zip(g, e)) if a != b), min(len(g), len(e)))
-                  for g, e in zip(got, expected)]
-        return {
-            "share_all_match": sum(g == e for g, e in zip(got, expected)) / len(prompts),
-            "share_first_match": sum(g[:1] == e[:1] for g, e in zip(got, expected)) / len(prompts),
-            "mean_matching_prefix": sum(prefix) / len(prompts),
-        }
-
-    original = model.config._attn_implementation
-    try:
-        eager = stock("eager")
-        expected = stock("sdpa")
-    finally:
-        model.set_attn_implementation(original)
-    hfpaged.patch(model, compile=compile)
-    try:
-        got = [r.token_ids for r in model.generate_many(prompts, **options)]
-    finally:
-        hfpaged.unpatch(model)
-    return {"prompts": len(prompts), "new_tokens": new_tokens, "dtype": str(next(model.parameters()).dtype),
-            **agreement(got, expected), "stock_eager_vs_sdpa": agreement(eager, expected)}
-
-
 def prefix_caching(model, num_requests=256, system_len=1024, question_len=(16, 64), new_tokens=64):
     """Throughput with prefix caching on vs off over requests sharing a long system prompt."""
     import hfpaged
@@ -328,7 +273,7 @@ def prefix_caching(model, num_requests=256, system_len=1024, question_len=(16, 6
         hfpaged.patch(model, enable_prefix_caching=enabled)
         model.generate_many(prompts[:8], max_new_tokens=4, do_sample=False)  # warm-up (graphs)
         if enabled:
-            model._hfpaged.pool.reset_prefix_cache()
+            hfpaged.reset_prefix_cache(model)
         results, dt = timed(lambda: model.generate_many(prompts, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None))
         tokens = sum(len(r.token_ids) for r in results)
         out["on" if enabled else "off"] = {"tokens_per_s": tokens / dt, "seconds": dt, "stats": hfpaged.stats(model)}
@@ -336,46 +281,9 @@ def prefix_caching(model, num_requests=256, system_len=1024, question_len=(16, 6
     return out
 
 
-def parallel_sampling_kv(model, prompts, n=4, new_tokens=128, seed=0, **patch_options):
-    """Peak KV blocks in use: each prompt with num_return_sequences=n (the samples share the prompt's blocks)
-    vs the same prompt given n times as independent requests. Prefix caching is off for both runs, so the
-    independent requests share nothing. Works on any device (tests call it with a tiny model on CPU).
-    """
-    import hfpaged
-
-    hfpaged.patch(model, **{**patch_options, "enable_prefix_caching": False})
-    settings = dict(max_new_tokens=new_tokens, do_sample=True, top_k=50, eos_token_id=None)
-
-    def run(requests):
-        engine = hfpaged.Engine(model)
-        pool = engine.state.pool
-        for i, (prompt, extra) in enumerate(requests):
-            engine.add_request(prompt, seed=seed + i, **settings, **extra)
-        peak = num_tokens = 0
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        while engine.has_unfinished():
-            num_tokens += sum(len(o.new_token_ids) for o in engine.step())
-            peak = max(peak, pool.num_used_blocks)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        assert pool.all_free()
-        return {"peak_blocks": peak, "tokens": num_tokens, "seconds": time.perf_counter() - t0}
-
-    state = model._hfpaged
-    out = {
-        "n": n, "num_prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "new_tokens": new_tokens,
-        "block_size": state.config.block_size, "block_bytes": sum(state.block_bytes().values()),
-        "parallel": run([(p, {"num_return_sequences": n}) for p in prompts]),
-        "independent": run([(p, {}) for p in prompts for _ in range(n)]),
-    }
-    out["block_ratio"] = out["parallel"]["peak_blocks"] / out["independent"]["peak_blocks"]
-    return out
-
-
 def bench_model(name, args, bandwidth):
     import hfpaged
+    from hfpaged.testing import greedy_parity, parallel_sampling_kv
 
     log(f"\n=== {name} ===")
     model = build_model(name, torch.bfloat16)

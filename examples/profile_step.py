@@ -44,12 +44,12 @@ def main(argv=None):
         for _ in range(batch):
             prompt = torch.randint(10, 1000, (args.context,), generator=gen).tolist()
             engine.add_request(prompt, max_new_tokens=10_000, do_sample=False, eos_token_id=None)
-        while any(r.num_tokens - r.num_computed_tokens > 1 for r in engine.scheduler.running) or engine.scheduler.waiting:
+        while any(r.num_tokens - r.num_computed_tokens > 1 for r in engine.core.scheduler.running) or engine.core.scheduler.waiting:
             engine.step()
         for _ in range(3):
             engine.step()
         torch.cuda.synchronize()
-        engine.timings.clear()
+        engine.core.timings.clear()
         t0 = time.perf_counter()
         profiler = cProfile.Profile()
         profiler.enable()
@@ -60,18 +60,18 @@ def main(argv=None):
         wall = (time.perf_counter() - t0) / args.steps
         stream = io.StringIO()
         pstats.Stats(profiler, stream=stream).sort_stats("cumulative").print_stats(35)
-        steps = engine.timings["steps"]
+        steps = engine.core.timings["steps"]
         print(f"\n=== batch {batch}, context ~{args.context}: {wall * 1e3:.2f} ms/step wall (under cProfile) ===")
-        print("phases (ms/step): " + ", ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in engine.timings.items() if k != "steps"))
+        print("phases (ms/step): " + ", ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in engine.core.timings.items() if k != "steps"))
         with open(os.path.join(args.out, f"cprofile_b{batch}.txt"), "w") as f:
             f.write(stream.getvalue())
         print("\n".join(stream.getvalue().splitlines()[:60]))
 
         # wall time without cProfile, then the same steps with the other async_scheduling setting
-        config = engine.state.config
+        config = engine.core.state.config
         for overlap in (config.async_scheduling, not config.async_scheduling):
             saved, config.async_scheduling = config.async_scheduling, overlap
-            engine.timings.clear()
+            engine.core.timings.clear()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(args.steps):
@@ -80,7 +80,7 @@ def main(argv=None):
             wall = (time.perf_counter() - t0) / args.steps
             config.async_scheduling = saved
             print(f"batch {batch}: {wall * 1e3:.2f} ms/step wall with async_scheduling={overlap}; phases (ms/step): "
-                  + ", ".join(f"{k} {v / engine.timings['steps'] * 1e3:.2f}" for k, v in engine.timings.items() if k != "steps"))
+                  + ", ".join(f"{k} {v / engine.core.timings['steps'] * 1e3:.2f}" for k, v in engine.core.timings.items() if k != "steps"))
 
         # device kernels
         from torch.profiler import ProfilerActivity, profile
@@ -107,8 +107,7 @@ def main(argv=None):
             end.record()
             torch.cuda.synchronize()
             print(f"batch {batch}: graph replay alone {start.elapsed_time(end) / 20:.3f} ms (bucket {bucket})")
-        for request_id in list(engine.requests):
-            engine.abort(request_id)
+        engine.abort_all()
 
 
 if __name__ == "__main__":

@@ -5,10 +5,11 @@
     results = model.generate_many(prompts, tokenizer=tok, max_new_tokens=64)
 """
 
-from .config import EngineConfig
-from .engine import Engine, generate_many
+from .core.config import EngineConfig
+from .engine import Engine
+from .generate import generate_many
 from .outputs import GenerationResult, RequestOutput, SequenceOutput
-from .patch import patch, stats, unpatch
+from .patch import patch, reset_prefix_cache, stats, unpatch
 from .streaming import StreamEvent, astream_many, stream_many
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "astream_many",
     "generate_many",
     "patch",
+    "reset_prefix_cache",
     "stats",
     "stream_many",
     "unpatch",

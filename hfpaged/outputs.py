@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .core.request import Request
 
 
 @dataclass
@@ -13,7 +17,7 @@ class RequestOutput:
     index: int | None  # position in the generate_many prompt list, when there is one
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None  # "stop", "length", "time", "abort" or None while running
+    finish_reason: str | None  # "stop", "length", "time", "abort", "error" or None while running
     new_logprobs: list[float] | None = None  # log-probs of new_token_ids when return_logprobs is on
     new_top_logprobs: list[dict[int, float]] | None = None  # with top_logprobs=k: the top k per new token
     # The request's prompt + output ids (append-only, shared, not copied each step) and where they end now.
@@ -21,11 +25,46 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_tokens: int = 0
     sequence_index: int = 0  # which of its prompt's returned sequences (num_return_sequences > 1)
+    error: str | None = None  # with finish_reason "error": what went wrong
+    prompt_id: str = ""  # the id add_request returned for its prompt (request_id of sequence 0)
 
     @property
     def token_ids(self) -> list[int]:
         """Every token generated up to this step."""
         return self.all_token_ids[self.num_prompt_tokens : self.num_tokens]
+
+
+def make_request_output(
+    request: "Request",
+    new_token_ids: list[int],
+    *,
+    all_token_ids: list[int] | None = None,
+    finished: bool | None = None,
+    finish_reason: str | None = None,
+    sequence_index: int | None = None,
+) -> RequestOutput:
+    """What ``request`` gained: its last ``len(new_token_ids)`` tokens (by default, its own state), or a
+    whole returned sequence (beam search: ``all_token_ids``, ``finish_reason`` and ``sequence_index`` given)."""
+    own = all_token_ids is None
+    all_ids = request.all_token_ids if own else all_token_ids
+    logprobs = request.logprobs if own else None
+    top_logprobs = request.top_logprobs if own else None
+    num_new = len(new_token_ids)
+    return RequestOutput(
+        request_id=request.request_id,
+        index=request.index,
+        new_token_ids=list(new_token_ids),
+        finished=request.is_finished if finished is None else finished,
+        finish_reason=request.finish_reason if finish_reason is None else finish_reason,
+        new_logprobs=None if logprobs is None else logprobs[len(logprobs) - num_new :],
+        new_top_logprobs=None if top_logprobs is None else top_logprobs[len(top_logprobs) - num_new :],
+        all_token_ids=all_ids,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_tokens=len(all_ids),
+        sequence_index=request.sequence_index if sequence_index is None else sequence_index,
+        error=request.error,
+        prompt_id=request.prompt_id,
+    )
 
 
 @dataclass

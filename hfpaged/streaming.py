@@ -20,10 +20,11 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 
 from transformers import GenerationConfig, PreTrainedModel
 
+from .core.request import Request
 from .detokenizer import IncrementalDetokenizer
-from .engine import Engine, build_result, check_prompt_list, is_prompt_finished
+from .engine import Client, is_prompt_finished
+from .generate import build_result, prepare, raise_if_failed
 from .outputs import GenerationResult, RequestOutput
-from .request import Request
 
 
 @dataclass
@@ -35,7 +36,7 @@ class StreamEvent:
     token_ids: list[int]  # the new ids
     text: str | None  # the new text (None without a tokenizer); "" while a character is incomplete
     finished: bool
-    finish_reason: str | None  # "stop", "length", "time", "abort" once finished
+    finish_reason: str | None  # "stop", "length", "time", "abort", "error" once finished
     logprobs: list[float] | None = None  # log-probs of token_ids when return_logprobs is on
     result: GenerationResult | None = None  # the whole result, on the prompt's last event
     sequence_index: int = 0  # which of the prompt's sequences these tokens extend (num_return_sequences > 1)
@@ -44,8 +45,8 @@ class StreamEvent:
 class _EventMaker:
     """Turns engine step outputs into StreamEvents (incremental text per request)."""
 
-    def __init__(self, engine: Engine, requests: list[Request]):
-        self.tokenizer = engine.tokenizer
+    def __init__(self, tokenizer: Any, requests: list[Request]):
+        self.tokenizer = tokenizer
         self.by_index = {r.index: r for r in requests}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}  # by request id (one per sequence)
         self.reported: set[int] = set()  # prompts whose result went out
@@ -53,6 +54,8 @@ class _EventMaker:
     def events(self, outputs: list[RequestOutput]) -> list[StreamEvent]:
         events = []
         for output in outputs:
+            if output.finish_reason == "error":
+                raise_if_failed(self.by_index[output.index])
             text = None
             if self.tokenizer is not None:
                 detokenizer = self.detokenizers.get(output.request_id)
@@ -85,20 +88,18 @@ class _EventMaker:
 
 def _prepare(
     model: PreTrainedModel, prompts: Sequence[Any], generation_config: Any, tokenizer: Any, kwargs: dict[str, Any]
-) -> tuple[Engine, list[Request]]:
-    prompts = check_prompt_list(prompts)
+) -> tuple[Client, list[Request], _EventMaker]:
     if kwargs.get("streamer") is not None:
         raise ValueError("stream_many does not take streamer=: iterate over its events instead")
     kwargs = {k: v for k, v in kwargs.items() if k != "streamer"}
-    engine = Engine(model, tokenizer=tokenizer)
-    requests = engine.make_requests(prompts, generation_config, kwargs)
-    beams = next((r for r in requests if r.beam_group is not None), None)
+    client, requests, tokenizer = prepare(model, prompts, generation_config, tokenizer, kwargs)
+    beams = next((r for r in requests if r.group is not None and r.group.beam_search is not None), None)
     if beams is not None:
         raise ValueError(
             f"prompt {beams.index}: streaming does not support num_beams > 1 (a beam's tokens are final only when "
             "the search ends, and generate refuses a streamer with beam search too); use generate_many"
         )
-    return engine, requests
+    return client, requests, _EventMaker(tokenizer, requests)
 
 
 def stream_many(
@@ -110,19 +111,16 @@ def stream_many(
     **kwargs: Any,
 ) -> Iterator[StreamEvent]:
     """Like ``generate_many`` (same arguments), but yields a StreamEvent whenever a request gains tokens."""
-    engine, requests = _prepare(model, prompts, generation_config, tokenizer, kwargs)
-    return _stream(engine, requests)
+    return _stream(*_prepare(model, prompts, generation_config, tokenizer, kwargs))
 
 
-def _stream(engine: Engine, requests: list[Request]) -> Iterator[StreamEvent]:
-    maker = _EventMaker(engine, requests)
+def _stream(client: Client, requests: list[Request], maker: _EventMaker) -> Iterator[StreamEvent]:
     try:
-        for request in requests:
-            engine.enqueue(request)
-        while engine.has_unfinished():
-            yield from maker.events(engine.step())
+        client.submit(requests)
+        while client.has_unfinished():
+            yield from maker.events(client.step())
     finally:
-        engine.abort_all()
+        client.abort_all()
 
 
 def astream_many(
@@ -135,21 +133,19 @@ def astream_many(
 ) -> AsyncIterator[StreamEvent]:
     """``stream_many`` for asyncio: ``async for event in model.astream_many(...)``.
 
-    Each engine step runs in one worker thread so the event loop stays responsive; steps never overlap.
+    Each engine step runs in a worker thread so the event loop stays responsive; streams of one model (from
+    any tasks or threads) share its engine and its batches.
     """
-    engine, requests = _prepare(model, prompts, generation_config, tokenizer, kwargs)
-    return _astream(engine, requests)
+    return _astream(*_prepare(model, prompts, generation_config, tokenizer, kwargs))
 
 
-async def _astream(engine: Engine, requests: list[Request]) -> AsyncIterator[StreamEvent]:
-    maker = _EventMaker(engine, requests)
+async def _astream(client: Client, requests: list[Request], maker: _EventMaker) -> AsyncIterator[StreamEvent]:
     worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hfpaged-step")
     running: concurrent.futures.Future | None = None
     try:
-        for request in requests:
-            engine.enqueue(request)
-        while engine.has_unfinished():
-            running = worker.submit(engine.step)
+        client.submit(requests)
+        while client.has_unfinished():
+            running = worker.submit(client.step)
             outputs = await asyncio.wrap_future(running)
             running = None
             for event in maker.events(outputs):
@@ -157,5 +153,5 @@ async def _astream(engine: Engine, requests: list[Request]) -> AsyncIterator[Str
     finally:
         if running is not None:  # cancelled mid-step: let the step finish before touching the engine
             concurrent.futures.wait([running])
-        engine.abort_all()
+        client.abort_all()
         worker.shutdown(wait=False)

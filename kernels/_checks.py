@@ -40,7 +40,7 @@ def check_devices(**tensors: torch.Tensor) -> torch.device:
     if device.type != "cuda" and not interpreting():
         raise ValueError(
             f"the Triton kernels need CUDA tensors, got {device}; on CPU use the torch reference "
-            "(hfpaged.attention.paged_attention_torch / store_kv_torch) or set TRITON_INTERPRET=1"
+            "(hfpaged.kernels.paged_attention_reference / store_kv_reference) or set TRITON_INTERPRET=1"
         )
     return device
 
@@ -51,6 +51,11 @@ def check_dim(name: str, tensor: torch.Tensor, dim: int, expected: int, why: str
         raise ValueError(
             f"{name}.shape[{dim}] must be {expected} ({why}), got {tensor.shape[dim]} (shape {tuple(tensor.shape)})"
         )
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division."""
+    return -(-a // b)
 
 
 def next_power_of_2(n: int) -> int:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import next_power_of_2
+from ._checks import cdiv, next_power_of_2
 
 # Rows of one program's tile (query positions x query heads of one KV group) at or below which a
 # batch counts as decode-like: small M tile, and the context may be split across programs.
@@ -48,7 +48,7 @@ def split_count(active_programs: int, max_seqlen_k: int, sm_count: int, programs
     target = programs_per_sm * sm_count
     if active_programs >= target:
         return 1
-    splits = min(-(-target // max(active_programs, 1)), max_seqlen_k // MIN_KEYS_PER_SPLIT, MAX_SPLITS)
+    splits = min(cdiv(target, max(active_programs, 1)), max_seqlen_k // MIN_KEYS_PER_SPLIT, MAX_SPLITS)
     return max(1, splits)
 
 
@@ -78,7 +78,7 @@ def choose_config(
             tile_n = 64 if head_dim_pad <= 128 else 32
         num_warps, num_stages = 4, 2  # H100 sweep: 2 stages beat 3-4 (more programs resident per SM)
         block_q = max(1, block_m // group)
-        active_programs = min(num_tokens, num_seqs * -(-max_seqlen_q // block_q)) * num_kv_heads
+        active_programs = min(num_tokens, num_seqs * cdiv(max_seqlen_q, block_q)) * num_kv_heads
         num_splits = split_count(active_programs, max_seqlen_k, _sm_count(device))
         return AttentionConfig(block_m, tile_n, num_warps, num_stages, num_splits)
     if elem_size == 4:

@@ -8,6 +8,26 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped without CUDA (the one place that decides it)."""
+    if CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (marked gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def bpe_tokenizer():
+    """The in-memory byte-level BPE tokenizer (vocab 320) the text tests share."""
+    from bpe_tokenizer import make_tokenizer
+
+    return make_tokenizer()
+
 
 @pytest.fixture(autouse=True)
 def pool_is_free_after(request):

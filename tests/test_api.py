@@ -6,7 +6,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 import hfpaged
-from hfpaged.attention import ATTENTION_NAME
+from hfpaged.model.attention import ATTENTION_NAME
 from models import VOCAB, make_model, random_prompts, reference_generate
 
 
@@ -238,7 +238,7 @@ def test_engine_add_step_abort(model):
         steps += 1
         if steps == 3:
             engine.abort("victim")
-            assert "victim" not in engine.requests
+            assert "victim" not in engine.prompts
     assert [gained[i] for i in ids[:3]] == expected
     assert finished == {ids[0]: "length", ids[1]: "length", ids[2]: "length"}
     assert all_free(model)

@@ -14,7 +14,7 @@ from models import make_model, random_prompts, reference_generate
 
 DEVICES = [
     "cpu",
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+    pytest.param("cuda", marks=pytest.mark.gpu),
 ]
 LENGTHS = [1, 3, 9, 17, 33, 64, 5, 40]
 
@@ -23,7 +23,7 @@ def run_engine(model, prompts, **settings):
     """Every request through one Engine; returns (output ids per prompt, engine, outputs per step)."""
     engine = hfpaged.Engine(model)
     ids = [engine.add_request(p, **settings) for p in prompts]
-    requests = [engine.requests[i] for i in ids]
+    requests = [engine.core.scheduler.requests[i] for i in ids]
     per_step = []
     while engine.has_unfinished():
         per_step.append(engine.step())
@@ -52,7 +52,7 @@ def test_overlapped_greedy_equals_generate_with_eos_and_preemption(device, preem
                   preemption_mode=preemption_mode, swap_space=0.001)
     got, engine, _ = run_engine(model, prompts, max_new_tokens=24, do_sample=False, eos_token_id=eos)
     assert got == expected
-    assert engine.num_overlapped_steps > 0
+    assert engine.core.num_overlapped_steps > 0
     st = hfpaged.stats(model)
     assert st["num_preemptions"] > 0
     if preemption_mode == "swap":
@@ -69,10 +69,10 @@ def test_overlapped_sampling_and_logprobs_equal_the_synchronous_engine(device):
     for overlap in (True, False):
         hfpaged.patch(model, num_blocks=40, block_size=4, max_num_seqs=3, async_scheduling=overlap)
         engine = hfpaged.Engine(model)
-        requests = [engine.requests[engine.add_request(p, **settings)] for p in prompts]
+        requests = [engine.core.scheduler.requests[engine.add_request(p, **settings)] for p in prompts]
         while engine.has_unfinished():
             engine.step()
-        assert (engine.num_overlapped_steps > 0) == overlap
+        assert (engine.core.num_overlapped_steps > 0) == overlap
         results[overlap] = [(r.output_token_ids, r.logprobs, r.top_logprobs) for r in requests]
         assert_pool_free(model)
         hfpaged.unpatch(model)
@@ -105,12 +105,12 @@ def test_abort_while_a_step_is_in_flight_frees_its_blocks_and_the_rest_stay_exac
     hfpaged.patch(model, num_blocks=32, block_size=4)
     engine = hfpaged.Engine(model)
     ids = [engine.add_request(p, max_new_tokens=10, do_sample=False) for p in prompts]
-    requests = [engine.requests[i] for i in ids]
+    requests = [engine.core.scheduler.requests[i] for i in ids]
     for _ in range(3):
         engine.step()
-    assert engine.in_flight is not None and requests[1].num_pending_tokens == 1
+    assert engine.core.in_flight is not None and requests[1].num_output_placeholders == 1
     engine.abort(ids[1])
-    assert requests[1].is_finished and requests[1].num_pending_tokens == 0
+    assert requests[1].is_finished and requests[1].num_output_placeholders == 0
     while engine.has_unfinished():
         engine.step()
     assert requests[0].output_token_ids == expected[0]
@@ -147,7 +147,7 @@ def test_overlapped_stop_strings_and_prefix_cache_equal_generate():
     hfpaged.patch(model, num_blocks=40, block_size=4, max_num_seqs=1, tokenizer=tokenizer)  # one after another: later prompts hit the cache
     got, engine, _ = run_engine(model, prompts, max_new_tokens=12, do_sample=False, stop_strings=[stop])
     assert got == expected
-    assert engine.num_overlapped_steps > 0
+    assert engine.core.num_overlapped_steps > 0
     assert hfpaged.stats(model)["prefix_cache_hits"] > 0
     assert_pool_free(model)
 

@@ -179,26 +179,28 @@ def test_engine_reports_each_returned_sequence_and_abort_frees_the_group():
     kept = engine.add_request(prompts[0], **settings)
     dropped = engine.add_request(prompts[1], **settings)
     outputs = []
+    scheduler = engine.core.scheduler
+    groups = [scheduler.requests[kept].group, scheduler.requests[dropped].group]
     for _ in range(4):
         outputs += engine.step()
-        for group in engine.beam_groups:  # every beam's request holds exactly transformers' running sequence
+        for group in groups:  # every beam's request holds exactly transformers' running sequence
+            search = group.beam_search
             if len(group.members) == 3:
                 for slot, member in enumerate(group.members):
-                    assert member.all_token_ids == group.running_sequences[0, slot, : group.cur_len].tolist()
+                    assert member.all_token_ids == search.running_sequences[0, slot, : search.cur_len].tolist()
     # the beams share their common blocks (prompt included)
-    members = engine.requests[kept].beam_group.members
-    tables = [m.block_ids for m in members]
+    members = groups[0].members
+    tables = [engine.core.kv.block_ids(m) for m in members]
     assert len({b for t in tables for b in t}) < sum(len(t) for t in tables)
     engine.abort(dropped)
     while engine.has_unfinished():
         outputs += engine.step()
     assert [(o.request_id, o.sequence_index, o.finished) for o in outputs] == [(kept, 0, True), (kept, 1, True)]
     assert [o.token_ids for o in outputs] == [ids for ids, _ in expected]
-    assert all_free(model) and not engine.requests
+    assert all_free(model) and not engine.prompts and not scheduler.requests
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 def test_cuda_beam_search_with_triton_and_graphs(enforce_eager):
     model = make_model("llama").cuda()
@@ -209,7 +211,7 @@ def test_cuda_beam_search_with_triton_and_graphs(enforce_eager):
     hfpaged.patch(model, num_blocks=28, block_size=4, max_num_seqs=16, max_num_batched_tokens=16,
                   enforce_eager=enforce_eager)
     assert_same(model.generate_many(prompts, **settings), expected)
-    assert (model._hfpaged.runner.num_graph_steps > 0) != enforce_eager
+    assert (model._hfpaged.engine.runner.num_graph_steps > 0) != enforce_eager
     state = torch.cuda.get_rng_state()
     sampled = dict(settings, do_sample=True, top_k=4)
     a = model.generate_many(prompts, seed=3, **sampled)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hfpaged.block_pool import BlockPool, NoFreeBlocksError
+from hfpaged.core.block_pool import BlockPool, NoFreeBlocksError
 
 
 def test_allocate_hands_out_lowest_ids_first_with_ref_count_one():

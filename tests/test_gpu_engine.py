@@ -6,10 +6,7 @@ import torch
 import hfpaged
 from models import ARCHS, make_model, random_prompts, reference_generate
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+pytestmark = pytest.mark.gpu
 
 LENGTHS = [1, 3, 9, 17, 33, 64, 5, 40]
 
@@ -26,7 +23,7 @@ def test_cuda_float32_parity_triton(arch, enforce_eager):
     assert model._hfpaged.use_triton
     results = model.generate_many(prompts, max_new_tokens=24, do_sample=False)
     assert [r.token_ids for r in results] == expected
-    runner = model._hfpaged.runner
+    runner = model._hfpaged.engine.runner
     if enforce_eager:
         assert runner.num_graph_steps == 0
     else:
@@ -64,7 +61,7 @@ def test_compiled_graphs_parity(arch):
     hfpaged.patch(model, num_blocks=64, block_size=4, max_num_seqs=8, compile=True)
     results = model.generate_many(prompts, max_new_tokens=16, do_sample=False)
     assert [r.token_ids for r in results] == expected
-    assert model._hfpaged.runner.num_graph_steps > 0 and model._hfpaged.runner._compiled is not None
+    assert model._hfpaged.engine.runner.num_graph_steps > 0 and model._hfpaged.engine.runner._compiled is not None
 
 
 def test_device_map_layers_on_two_devices_keep_their_kv_there():

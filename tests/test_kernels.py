@@ -4,22 +4,16 @@ Without CUDA the kernels run in Triton's interpreter (fp32/fp16 only: bf16 is br
 small sizes; with CUDA the same cases also run in bf16, plus the `gpu`-marked large cases.
 """
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # before the kernels are imported (conftest.py does it too)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from hfpaged.attention import paged_attention_torch, store_kv_torch  # noqa: E402
-from hfpaged.kernels import paged_attention, store_kv  # noqa: E402
-from hfpaged.kernels.attention_config import AttentionConfig  # noqa: E402
-from hfpaged.kernels.paged_attention import paged_attention_with_config  # noqa: E402
+from hfpaged.kernels import paged_attention, paged_attention_reference, store_kv, store_kv_reference
+from hfpaged.kernels.attention_config import AttentionConfig
+from hfpaged.kernels.paged_attention import paged_attention_with_config
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
-gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
 
@@ -126,7 +120,7 @@ def test_paged_attention_matches_reference(case, dtype_override):
         block_size=block_size, dtype=dtype, table_tail="minus1" if CUDA else "poison",
     )  # fmt: skip
     kwargs = dict(scale=head_dim**-0.5, sliding_window=window, softcap=softcap)
-    ref = paged_attention_torch(**batch, **kwargs)
+    ref = paged_attention_reference(**batch, **kwargs)
     assert not ref.isnan().any()
     assert_close(paged_attention(**batch, **kwargs), ref, dtype)
     hinted = paged_attention(**batch, **kwargs, max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens))
@@ -162,7 +156,7 @@ def test_paged_attention_random_mixes(mix, dtype_override):
     batch = make_batch(q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                        block_size=block_size, dtype=dtype, seed=block_size)  # fmt: skip
     kwargs = dict(scale=head_dim**-0.5, sliding_window=window, softcap=softcap)
-    ref = paged_attention_torch(**batch, **kwargs)
+    ref = paged_attention_reference(**batch, **kwargs)
     for config in (None, AttentionConfig(16, 32, 4, 1, num_splits=2), AttentionConfig(32, 16, 4, 1)):
         if config is None:
             out = paged_attention(**batch, **kwargs)
@@ -179,7 +173,7 @@ def test_paged_attention_many_sequences(num_seqs):
     q_lens = [int(k) for k in torch.randint(0, 2, (num_seqs,), generator=gen)]  # decodes and empties
     batch = make_batch(q_lens, seq_lens, num_heads=2, num_kv_heads=1, head_dim=16, block_size=8,
                        dtype=torch.float32)  # fmt: skip
-    ref = paged_attention_torch(**batch, scale=0.3)
+    ref = paged_attention_reference(**batch, scale=0.3)
     out = paged_attention_with_config(**batch, scale=0.3, config=AttentionConfig(16, 16, 4, 1),
                                       out=poisoned_out(batch))  # fmt: skip
     assert_close(out, ref, torch.float32)
@@ -188,7 +182,7 @@ def test_paged_attention_many_sequences(num_seqs):
 def test_paged_attention_table_tails_minus_one():
     batch = make_batch([1, 7], [19, 7], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8,
                        dtype=torch.float32, table_tail="minus1", q_view=False)  # fmt: skip
-    ref = paged_attention_torch(**batch, scale=0.125)
+    ref = paged_attention_reference(**batch, scale=0.125)
     assert_close(paged_attention(**batch, scale=0.125), ref, torch.float32)
 
 
@@ -201,7 +195,7 @@ def test_paged_attention_no_queries():
 def test_paged_attention_head_dim_v():
     batch = make_batch([1, 9], [12, 9], num_heads=4, num_kv_heads=2, head_dim=64, head_dim_v=32,
                        block_size=16, dtype=torch.float32)  # fmt: skip
-    ref = paged_attention_torch(**batch, scale=0.125)
+    ref = paged_attention_reference(**batch, scale=0.125)
     assert_close(paged_attention(**batch, scale=0.125), ref, torch.float32)
 
 
@@ -229,7 +223,7 @@ def test_store_kv_matches_reference(block_size, num_kv_heads, head_dim, dtype, s
     k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), sentinel, dtype=dtype)
     v_cache = torch.full_like(k_cache, sentinel)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    store_kv_torch(key.to(dtype), value.to(dtype), k_ref, v_ref, slots)
+    store_kv_reference(key.to(dtype), value.to(dtype), k_ref, v_ref, slots)
     args = [t.to(DEVICE) for t in (key.to(dtype), value.to(dtype), k_cache, v_cache, slots.to(slot_dtype))]
     store_kv(*args)
     # Exact copy into the mapped slots; every other slot still holds the sentinel.
@@ -244,7 +238,7 @@ def test_store_kv_casts_to_cache_dtype():
     v_cache = torch.zeros_like(k_cache)
     slots = torch.tensor([3, 0, 9, 15])
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    store_kv_torch(key, key * 2, k_ref, v_ref, slots)
+    store_kv_reference(key, key * 2, k_ref, v_ref, slots)
     dev = [t.to(DEVICE) for t in (key, key * 2, k_cache, v_cache, slots)]
     store_kv(*dev)
     assert torch.equal(dev[2].cpu(), k_ref) and torch.equal(dev[3].cpu(), v_ref)
@@ -341,24 +335,21 @@ def _gpu_batch(q_lens, seq_lens, dtype=torch.bfloat16, num_heads=32, num_kv_head
                       block_size=block_size, dtype=dtype, table_tail="minus1")  # fmt: skip
 
 
-@gpu
 @pytest.mark.gpu
 def test_gpu_prefill_4k_bf16():
     batch = _gpu_batch([4096], [4096])
-    ref = paged_attention_torch(**batch, scale=128**-0.5)
+    ref = paged_attention_reference(**batch, scale=128**-0.5)
     assert_close(paged_attention(**batch, scale=128**-0.5), ref, torch.bfloat16)
 
 
-@gpu
 @pytest.mark.gpu
 def test_gpu_decode_32k_split_bf16():
     batch = _gpu_batch([1, 1], [32768, 20000])
-    ref = paged_attention_torch(**batch, scale=128**-0.5)
+    ref = paged_attention_reference(**batch, scale=128**-0.5)
     out = paged_attention(**batch, scale=128**-0.5, max_seqlen_q=1, max_seqlen_k=32768)
     assert_close(out, ref, torch.bfloat16)
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_head_dim_256_window_softcap(dtype):
@@ -366,10 +357,9 @@ def test_gpu_head_dim_256_window_softcap(dtype):
     q_lens, seq_lens = [1, 1, 700, 300, 1], [3000, 90, 700, 1500, 513]
     batch = _gpu_batch(q_lens, seq_lens, dtype=dtype, num_heads=8, num_kv_heads=4, head_dim=256)
     kwargs = dict(scale=256**-0.5, sliding_window=512, softcap=50.0)
-    assert_close(paged_attention(**batch, **kwargs), paged_attention_torch(**batch, **kwargs), dtype)
+    assert_close(paged_attention(**batch, **kwargs), paged_attention_reference(**batch, **kwargs), dtype)
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size,head_dim", [(8, 64), (16, 96), (32, 128), (64, 64)])
 def test_gpu_mixed_batch_bf16(block_size, head_dim):
@@ -379,23 +369,21 @@ def test_gpu_mixed_batch_bf16(block_size, head_dim):
     q_lens = [[1, s, max(1, s // 3), 0][k] for s, k in zip(seq_lens, kinds)]
     batch = _gpu_batch(q_lens, seq_lens, num_heads=16, num_kv_heads=4, head_dim=head_dim, block_size=block_size)
     kwargs = dict(scale=head_dim**-0.5)
-    ref = paged_attention_torch(**batch, **kwargs)
+    ref = paged_attention_reference(**batch, **kwargs)
     assert_close(paged_attention(**batch, **kwargs), ref, torch.bfloat16)
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_lens,seq_lens", [([1] * 6, [1, 100, 2000, 5000, 77, 4096]), ([1, 300, 2], [900, 300, 1200])])
 def test_gpu_fp32_is_exact(q_lens, seq_lens):
     # fp32 inputs use IEEE fp32 dots (no tf32): the engine's fp32 parity tests depend on it.
     batch = _gpu_batch(q_lens, seq_lens, dtype=torch.float32, num_heads=8, num_kv_heads=2)
     out = paged_attention(**batch, scale=128**-0.5)
-    ref = paged_attention_torch(**batch, scale=128**-0.5)
+    ref = paged_attention_reference(**batch, scale=128**-0.5)
     assert_close(out, ref, torch.float32)
     assert (out - ref).abs().max() < 2e-5
 
 
-@gpu
 @pytest.mark.gpu
 def test_gpu_hints_do_not_sync():
     batch = _gpu_batch([1] * 8, [100 * (i + 1) for i in range(8)])
@@ -407,10 +395,9 @@ def test_gpu_hints_do_not_sync():
         paged_attention(**prefill, scale=0.1, max_seqlen_q=64, max_seqlen_k=300)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert_close(out, paged_attention_torch(**batch, scale=0.1), torch.bfloat16)
+    assert_close(out, paged_attention_reference(**batch, scale=0.1), torch.bfloat16)
 
 
-@gpu
 @pytest.mark.gpu
 def test_gpu_cuda_graph_decode():
     # Capture once with fixed shapes and hints; replay after changing lengths, tables and data in place.
@@ -430,11 +417,10 @@ def test_gpu_cuda_graph_decode():
         for name in ("q", "k_cache", "v_cache"):
             static[name].normal_()
         graph.replay()
-        ref = paged_attention_torch(**static, scale=kwargs["scale"])
+        ref = paged_attention_reference(**static, scale=kwargs["scale"])
         assert_close(out, ref, torch.bfloat16)
 
 
-@gpu
 @pytest.mark.gpu
 def test_gpu_store_kv_large_bf16():
     num_tokens, num_kv_heads, head_dim, block_size, num_blocks = 5000, 8, 128, 16, 600
@@ -445,6 +431,6 @@ def test_gpu_store_kv_large_bf16():
     k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), -7.0, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.full_like(k_cache, -7.0)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    store_kv_torch(key, value, k_ref, v_ref, slots)
+    store_kv_reference(key, value, k_ref, v_ref, slots)
     store_kv(key, value, k_cache, v_cache, slots.int())
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)

@@ -3,18 +3,14 @@ single request with its sub-seed samples (so the shared, copied-on-write prompt 
 results are reproducible per seed and independent of batch companions, the prompt's blocks are shared,
 and the pool is all free after every run."""
 
-import os
-import sys
-
 import pytest
 import torch
 
 import hfpaged
-from hfpaged.parallel_sampling import sample_seed
+from hfpaged.sampling.parallel_sampling import sample_seed
+from hfpaged.testing import parallel_sampling_kv
 from models import make_model, random_prompts
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-import benchmark  # noqa: E402
 
 SAMPLING = dict(do_sample=True, top_k=5, temperature=0.9, max_new_tokens=10, eos_token_id=None)
 
@@ -112,7 +108,7 @@ def test_logprobs_and_text_per_sequence(model):
 
 
 def test_the_prompt_blocks_are_shared(model):
-    figures = benchmark.parallel_sampling_kv(model, random_prompts([37, 20], seed=37), n=4, new_tokens=12,
+    figures = parallel_sampling_kv(model, random_prompts([37, 20], seed=37), n=4, new_tokens=12,
                                              num_blocks=128, block_size=4)
     # 37 + 11 slots = 12 blocks per sequence: 4 independent copies of two prompts take 4 x (12 + 8) = 80;
     # shared, each prompt keeps its 9 (resp. 5) full blocks once and every sequence owns the rest
@@ -145,23 +141,22 @@ def test_engine_outputs_and_abort_of_the_whole_prompt(model):
         for out in engine.step():
             gained.setdefault((out.request_id, out.sequence_index), []).extend(out.new_token_ids)
     engine.abort(dropped)
-    assert not any(r.request_id.startswith(dropped) for r in engine.scheduler.running)
+    assert not any(r.request_id.startswith(dropped) for r in engine.core.scheduler.running)
     while engine.has_unfinished():
         for out in engine.step():
             gained.setdefault((out.request_id, out.sequence_index), []).extend(out.new_token_ids)
     expected = [single(model, prompts[0], sample_seed(1, j)) for j in range(3)]
     assert [gained[(kept if j == 0 else f"{kept}.{j}", j)] for j in range(3)] == expected
-    assert not engine.requests
+    assert not engine.prompts and not engine.core.scheduler.requests
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_parallel_samples_with_triton_and_graphs():
     model = make_model("llama").cuda()
     prompts = random_prompts([5, 9, 16, 3], seed=31)
     hfpaged.patch(model, num_blocks=24, block_size=4, max_num_seqs=8, max_num_batched_tokens=16)
     results = model.generate_many(prompts, num_return_sequences=4, seed=100, **SAMPLING)
-    assert model._hfpaged.runner.num_graph_steps > 0 and hfpaged.stats(model)["num_preemptions"] > 0
+    assert model._hfpaged.engine.runner.num_graph_steps > 0 and hfpaged.stats(model)["num_preemptions"] > 0
     hfpaged.patch(model, num_blocks=64, block_size=4)
     for i, (prompt, result) in enumerate(zip(prompts, results)):
         assert sequences(result) == [single(model, prompt, sample_seed(100 + i, j)) for j in range(4)]

@@ -5,17 +5,12 @@ max_num_seqs, a pool too small for all requests at once (preemption must happen)
 smaller than the longest prompt (chunked prefill).
 """
 
-import os
-import sys
-
 import pytest
 import torch
 
 import hfpaged
+from hfpaged.testing import greedy_parity
 from models import ARCHS, make_model, random_prompts, reference_generate
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-import benchmark  # noqa: E402
 
 LENGTHS = [1, 3, 9, 17, 33, 64, 5, 40]
 NEW_TOKENS = 24
@@ -96,9 +91,9 @@ def test_bfloat16_model_runs_and_first_tokens_match():
 
 
 def test_benchmark_parity_report_is_exact_in_float32():
-    """examples/benchmark.py --sections parity: in float32 every prompt matches, and so does its yardstick."""
+    """hfpaged.testing.greedy_parity (benchmark.py --sections parity, quickstart.py --parity): in float32 every prompt matches, and so does its yardstick."""
     model = make_model("llama")
-    report = benchmark.greedy_parity(model, num_prompts=6, new_tokens=12)
+    report = greedy_parity(model, num_prompts=6, new_tokens=12)
     assert report["dtype"] == "torch.float32" and report["prompts"] == 6
     assert report["share_all_match"] == report["share_first_match"] == 1.0
     assert report["mean_matching_prefix"] == 12
@@ -108,6 +103,6 @@ def test_benchmark_parity_report_is_exact_in_float32():
     # given prompts and the model's own eos (what examples/quickstart.py --parity does with a real model)
     prompts = random_prompts([4, 9, 15, 22], seed=8)
     model.generation_config.eos_token_id = pick_eos(model, prompts)
-    report = benchmark.greedy_parity(model, prompts, new_tokens=12, stop_at_eos=True)
+    report = greedy_parity(model, prompts, new_tokens=12, stop_at_eos=True)
     assert report["prompts"] == 4 and report["share_all_match"] == 1.0
     assert report["mean_matching_prefix"] < 12  # some prompt stopped on eos before 12 tokens

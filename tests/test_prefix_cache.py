@@ -3,13 +3,14 @@
 import pytest
 
 import hfpaged
-from hfpaged.block_pool import BlockPool
-from hfpaged.config import EngineConfig
-from hfpaged.prefix_cache import PrefixCache
-from hfpaged.request import Request, RequestStatus
-from hfpaged.scheduler import Scheduler
+from hfpaged.core.block_pool import BlockPool
+from hfpaged.core.config import EngineConfig
+from hfpaged.core.kv_manager import KVManager
+from hfpaged.core.prefix_cache import PrefixCache
+from hfpaged.core.request import Request, RequestStatus
+from hfpaged.core.scheduler import Scheduler
 from models import make_model, random_prompts, reference_generate
-from test_scheduler import params
+from test_scheduler import blocks, params, update
 
 
 def req(rid, tokens):
@@ -18,28 +19,27 @@ def req(rid, tokens):
 
 def test_block_hashes_are_chained_through_the_parent():
     cache = PrefixCache(BlockPool(4), block_size=2)
-    a = req("a", [5, 6, 7, 8, 9])
-    b = req("b", [5, 6, 1, 1])
-    c = req("c", [1, 1, 7, 8])
-    ha, hb, hc = list(cache.hash_full_blocks(a)), cache.hash_full_blocks(b), cache.hash_full_blocks(c)
+    a = [5, 6, 7, 8, 9]
+    hashes_a = cache.extend_hashes(a, [])
+    ha, hb, hc = list(hashes_a), cache.extend_hashes([5, 6, 1, 1], []), cache.extend_hashes([1, 1, 7, 8], [])
     assert len(ha) == 2 and len(hb) == 2  # only full blocks are hashed
     assert ha[0] == hb[0]  # same first block
     assert ha[1] != hb[1]
     assert ha[1] != hc[1]  # same tokens [7, 8] but a different parent
-    a.all_token_ids.append(10)
-    assert cache.hash_full_blocks(a)[:2] == ha and len(a.block_hashes) == 3
+    a.append(10)
+    assert cache.extend_hashes(a, hashes_a)[:2] == ha and len(hashes_a) == 3
 
 
 def make_scheduler(num_blocks=16, block_size=4, caching=True):
     config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_batched_tokens=64, watermark=0.0,
                           enable_prefix_caching=caching)
-    return Scheduler(config, BlockPool(num_blocks), counters={})
+    return Scheduler(config, KVManager(num_blocks, block_size, enable_prefix_caching=caching))
 
 
 def run_to_end(s, token=50):
     while s.has_unfinished():
         out = s.schedule()
-        s.update(out, {x.request.request_id: token for x in out.scheduled if x.samples})
+        update(s, out, {x.request_id: token for x in out.scheduled if x.samples})
 
 
 def test_a_later_request_reuses_computed_prefix_blocks_and_counts_hits():
@@ -49,13 +49,13 @@ def test_a_later_request_reuses_computed_prefix_blocks_and_counts_hits():
     s.add(a)
     run_to_end(s)
     a_blocks = list(range(6))  # a held blocks 0..5 (20 prompt + 1 generated token in KV)
-    assert s.pool.all_free()
+    assert s.kv.pool.all_free()
     b = req("b", list(range(3, 23)) + [90, 91, 92, 93])  # 24 tokens: 5 cached blocks usable
     s.add(b)
     out = s.schedule()
     assert [(x.start, x.num_tokens) for x in out.scheduled] == [(20, 4)]
-    assert b.block_ids[:5] == a_blocks[:5]
-    assert all(s.pool.ref_counts[i] == 1 for i in b.block_ids)
+    assert blocks(s, b)[:5] == a_blocks[:5]
+    assert all(s.kv.pool.ref_counts[i] == 1 for i in blocks(s, b))
     assert s.counters["prefix_cache_queries"] == 20 + 24
     assert s.counters["prefix_cache_hits"] == 20
 
@@ -78,16 +78,16 @@ def test_running_requests_share_blocks_by_ref_count():
     s = make_scheduler(num_blocks=20)
     a = req("a", range(3, 15))  # 12 tokens: 3 blocks
     s.add(a)
-    s.update(s.schedule(), {"a": 50})  # prefill done, blocks registered, a still running
+    update(s, s.schedule(), {"a": 50})  # prefill done, blocks registered, a still running
     b = req("b", list(range(3, 15)) + [7])
     s.add(b)
     s.schedule()
-    assert b.block_ids[:3] == a.block_ids[:3]
-    assert [s.pool.ref_counts[i] for i in a.block_ids[:3]] == [2, 2, 2]
+    assert blocks(s, b)[:3] == blocks(s, a)[:3]
+    assert [s.kv.pool.ref_counts[i] for i in blocks(s, a)[:3]] == [2, 2, 2]
     s.finish(a, "stop")
-    assert [s.pool.ref_counts[i] for i in b.block_ids[:3]] == [1, 1, 1]
+    assert [s.kv.pool.ref_counts[i] for i in blocks(s, b)[:3]] == [1, 1, 1]
     s.finish(b, "stop")
-    assert s.pool.all_free()
+    assert s.kv.pool.all_free()
 
 
 def test_cached_blocks_are_evicted_oldest_first_when_the_pool_needs_them():
@@ -100,14 +100,14 @@ def test_cached_blocks_are_evicted_oldest_first_when_the_pool_needs_them():
     c.params.max_length = 5
     s.add(c)
     run_to_end(s)
-    assert s.pool.num_free_blocks == 6
+    assert s.kv.pool.num_free_blocks == 6
     # free queue now: uncached 4, 5, then a's blocks (released first, tail first: 1, 0), then c's (3, 2)
     big = req("big", range(20, 30))  # 10 tokens = 5 blocks
     s.add(big)
     s.schedule()
-    assert big.block_ids == [4, 5, 1, 0, 3]
-    assert PrefixCache(s.pool, 2).find_hits(req("a2", [3, 4, 5, 6, 1])) == []
-    assert PrefixCache(s.pool, 2).find_hits(req("c2", [7, 8, 9, 10, 1])) == [2]
+    assert blocks(s, big) == [4, 5, 1, 0, 3]
+    assert s.kv.lookup_prefix(req("a2", [3, 4, 5, 6, 1])) == []
+    assert s.kv.lookup_prefix(req("c2", [7, 8, 9, 10, 1])) == [2]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2"])

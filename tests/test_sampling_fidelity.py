@@ -9,11 +9,10 @@ from scipy import stats
 from transformers import GenerationConfig
 from transformers.generation import logits_process as lp
 
-from hfpaged.logits_pipeline import StageContext, run_stages
-from hfpaged.params import RequestParams
-from hfpaged.processor_plan import plan_stages
-from hfpaged.request import Request
-from hfpaged.sampling import Sampler
+from hfpaged.sampling.params import RequestParams
+from hfpaged.sampling.processors import StageContext, plan_stages, run_stages
+from hfpaged.sampling.request_state import CachedRequestState
+from hfpaged.sampling.sampler import Sampler
 
 VOCAB = 64
 
@@ -24,9 +23,7 @@ def make_request(processors, *, seed=0, do_sample=True, prompt=(5, 6, 7), output
         generation_config=GenerationConfig(), max_length=10_000, eos_token_ids=frozenset(), do_sample=do_sample,
         seed=seed, stages=stages, return_logprobs=return_logprobs,
     )
-    request = Request(f"r{seed}", list(prompt), params)
-    request.all_token_ids.extend(output)
-    return request
+    return CachedRequestState(f"r{seed}", params, list(prompt) + list(output), len(prompt))
 
 
 def fixed_logits(seed=0):
@@ -127,26 +124,21 @@ def many_requests(processors, seeds, outputs):
 
 
 def make_request_like(template, seed, output):
-    request = Request(f"r{seed}-{len(output)}", template.prompt_token_ids, replace(template.params, seed=seed))
-    request.all_token_ids.extend(output)
-    return request
+    prompt = template.token_ids[: template.num_prompt_tokens]
+    return CachedRequestState(f"r{seed}-{len(output)}", replace(template.params, seed=seed), prompt + list(output),
+                              len(prompt))
 
 
-class AtPosition(Request):
-    """A request that claims ``num_tokens`` tokens (the noise counter) without holding them."""
-
-    def __init__(self, template, num_tokens):
-        super().__init__(f"p{num_tokens}", template.prompt_token_ids, template.params)
-        self._num_tokens = num_tokens
-
-    @property
-    def num_tokens(self):
-        return self._num_tokens
+def sample(logits, requests, positions=None):
+    """The sampler's picks by request id (``positions``: the noise counters, by default each request's length)."""
+    positions = [r.num_tokens for r in requests] if positions is None else positions
+    out = Sampler().sample(logits, requests, positions).result()
+    return {row.request_id: row for row in out.sampled}
 
 
-def sample_counts(requests, logits):
-    tokens = Sampler()(logits[None].expand(len(requests), -1).contiguous(), requests).token_ids
-    return torch.bincount(torch.tensor(tokens), minlength=VOCAB)
+def sample_counts(requests, logits, positions=None):
+    picks = sample(logits[None].expand(len(requests), -1).contiguous(), requests, positions)
+    return torch.bincount(torch.tensor([picks[r.request_id].token_id for r in requests]), minlength=VOCAB)
 
 
 # The stated tolerance: a chi-square goodness-of-fit test over the allowed tokens must not reject at
@@ -179,9 +171,11 @@ def test_sampled_tokens_follow_the_distribution_across_positions_of_one_seed():
     logits = fixed_logits(8)
     procs = WARPER_SETS["temperature+top_k+top_p+min_p"]
     template = make_request(procs(), seed=123)
-    requests = [AtPosition(template, position) for position in range(NUM_SAMPLES)]
-    probs = hf_processed(procs(), requests[0], logits).softmax(-1)
-    assert_matches(sample_counts(requests, logits), probs)
+    requests = [make_request_like(template, 123, ()) for _ in range(NUM_SAMPLES)]
+    for position, request in enumerate(requests):  # one seed, every noise counter
+        request.request_id = f"p{position}"
+    probs = hf_processed(procs(), template, logits).softmax(-1)
+    assert_matches(sample_counts(requests, logits, positions=list(range(NUM_SAMPLES))), probs)
 
 
 def test_greedy_rows_take_the_argmax_and_logprobs_are_of_the_processed_distribution():
@@ -190,22 +184,23 @@ def test_greedy_rows_take_the_argmax_and_logprobs_are_of_the_processed_distribut
     requests = [
         make_request(p, seed=i, do_sample=i % 2 == 1, return_logprobs=True) for i, p in enumerate(procs)
     ]
-    out = Sampler()(logits.clone(), requests)
+    picks = sample(logits.clone(), requests)
     for row, request in enumerate(requests):
+        pick = picks[request.request_id]
         processed = hf_processed(procs[row], request, logits[row])
         if not request.params.do_sample:
-            assert out.token_ids[row] == int(processed.argmax())
-        expected = processed.log_softmax(-1)[out.token_ids[row]]
-        assert abs(out.logprobs[row] - float(expected)) < 1e-6
+            assert pick.token_id == int(processed.argmax())
+        expected = processed.log_softmax(-1)[pick.token_id]
+        assert abs(pick.logprob - float(expected)) < 1e-6
 
 
 @pytest.mark.parametrize(
     "device",
-    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])],
+    ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)],
 )
 @pytest.mark.parametrize("vocab", [4096, 50257, 151936])
 def test_row_argmax_equals_argmax_with_ties_and_ragged_vocab(vocab, device):
-    from hfpaged.sampling import row_argmax
+    from hfpaged.sampling.sampler import row_argmax
 
     gen = torch.Generator().manual_seed(vocab)
     for dtype in (torch.float32, torch.bfloat16):

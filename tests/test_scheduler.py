@@ -2,11 +2,12 @@
 
 from transformers import GenerationConfig
 
-from hfpaged.block_pool import BlockPool
-from hfpaged.config import EngineConfig
-from hfpaged.params import RequestParams
-from hfpaged.request import Request, RequestStatus
-from hfpaged.scheduler import Scheduler
+from hfpaged.core.config import EngineConfig
+from hfpaged.core.kv_manager import KVManager
+from hfpaged.core.request import Request, RequestStatus
+from hfpaged.core.runner_output import ModelRunnerOutput, SampledToken
+from hfpaged.core.scheduler import Scheduler
+from hfpaged.sampling.params import RequestParams
 
 
 def params(max_length=1000, eos=()):
@@ -29,18 +30,36 @@ def make(num_blocks=32, block_size=4, budget=10, max_num_seqs=8, watermark=0.0):
         block_size=block_size, num_blocks=num_blocks, max_num_batched_tokens=budget,
         max_num_seqs=max_num_seqs, watermark=watermark, enable_prefix_caching=False,
     )
-    return Scheduler(config, BlockPool(num_blocks))
+    return Scheduler(config, KVManager(num_blocks, block_size, enable_prefix_caching=False))
 
 
 def plan(out):
-    return [(s.request.request_id, s.start, s.num_tokens, s.samples) for s in out.scheduled]
+    return [(s.request_id, s.start, s.num_tokens, s.samples) for s in out.scheduled]
+
+
+def update(s, out, tokens):
+    """What the runner would return: ``tokens`` (request id -> sampled token) for the rows it sampled."""
+    return s.update_from_output(out, ModelRunnerOutput([SampledToken(rid, t) for rid, t in tokens.items()]))
 
 
 def step(s, token=7):
     out = s.schedule()
-    sampled = {x.request.request_id: token for x in out.scheduled if x.samples}
-    s.update(out, sampled)
+    update(s, out, {x.request_id: token for x in out.scheduled if x.samples})
     return out
+
+
+def blocks(s, r):
+    return s.kv.block_ids(r)
+
+
+def put_running(s, r, num_blocks, num_computed, at=None):
+    """Set up ``r`` as running with ``num_blocks`` blocks and ``num_computed`` tokens computed (state the
+    admission policy rarely produces by itself)."""
+    assert s.kv.allocate(r, num_blocks * s.kv.block_size)
+    r.num_computed_tokens = num_computed
+    r.status = RequestStatus.RUNNING
+    s.requests[r.request_id] = r
+    s.running.insert(len(s.running) if at is None else at, r)
 
 
 def test_long_prompt_is_prefilled_in_chunks_within_the_budget():
@@ -48,13 +67,13 @@ def test_long_prompt_is_prefilled_in_chunks_within_the_budget():
     a = request("a", 25)
     s.add(a)
     assert plan(step(s)) == [("a", 0, 10, False)]
-    assert a.block_ids == [0, 1, 2]
+    assert blocks(s, a) == [0, 1, 2]
     assert plan(step(s)) == [("a", 10, 10, False)]
-    assert a.block_ids == [0, 1, 2, 3, 4]
+    assert blocks(s, a) == [0, 1, 2, 3, 4]
     assert plan(step(s)) == [("a", 20, 5, True)]
     assert a.num_tokens == 26 and a.num_computed_tokens == 25
     assert plan(step(s)) == [("a", 25, 1, True)]
-    assert a.block_ids == [0, 1, 2, 3, 4, 5, 6]
+    assert blocks(s, a) == [0, 1, 2, 3, 4, 5, 6]
 
 
 def test_decodes_first_then_prefill_fills_the_rest_of_the_budget():
@@ -111,19 +130,19 @@ def test_newest_request_is_preempted_by_recompute_and_resumes():
     s.add(b)
     out = step(s)
     assert plan(out) == [("a", 0, 8, True), ("b", 0, 8, True)]
-    assert s.pool.num_free_blocks == 0
+    assert s.kv.pool.num_free_blocks == 0
     # a now has 9 tokens and needs a third block: b (newest) is preempted
     out = step(s)
-    assert [r.request_id for r in out.preempted] == ["b"]
+    assert out.preempted_ids == ["b"]
     assert plan(out) == [("a", 8, 1, True)]
-    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0 and b.block_ids == []
-    assert b.num_preemptions == 1 and s.num_preemptions == 1
+    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0 and blocks(s, b) == []
+    assert b.num_preemptions == 1 and s.counters["num_preemptions"] == 1
     assert list(s.waiting) == [b]
     assert b.all_token_ids == list(range(3, 11)) + [7]  # keeps its generated token
     # no admission in a step that preempted; next step b cannot fit (a holds 3 of 4 blocks)
     out = step(s)
     assert plan(out) == [("a", 10 - 1, 1, True)]
-    assert a.block_ids == [0, 1, 2]
+    assert blocks(s, a) == [0, 1, 2]
     s.finish(a, "stop")
     out = step(s)
     assert plan(out) == [("b", 0, 9, True)]  # recomputes prompt + its generated token, then samples
@@ -136,7 +155,7 @@ def test_request_preempts_itself_when_it_is_the_newest():
     s.add(b)
     step(s)  # a: 7 tokens + 1 sampled = 8 (fits 2 blocks); b: 8 + 1 = 9 (needs a 3rd block)
     out = step(s)
-    assert [r.request_id for r in out.preempted] == ["b"]
+    assert out.preempted_ids == ["b"]
     assert plan(out) == [("a", 7, 1, True)]
 
 
@@ -148,12 +167,12 @@ def test_a_decode_preempts_the_newest_running_request():
     b = request("b", 3)
     s.add(b)
     step(s)  # a takes the whole budget again: b waits
-    assert a.block_ids == [0, 1, 2, 3] and s.waiting[0] is b
+    assert blocks(s, a) == [0, 1, 2, 3] and s.waiting[0] is b
     out = step(s)
     assert plan(out) == [("a", 16, 4, True), ("b", 0, 3, True)]
-    assert s.pool.num_free_blocks == 0
+    assert s.kv.pool.num_free_blocks == 0
     out = s.schedule()  # a needs a 6th block at 21 tokens: b, the newest, goes
-    assert [r.request_id for r in out.preempted] == ["b"]
+    assert out.preempted_ids == ["b"]
     assert plan(out) == [("a", 20, 1, True)]
 
 
@@ -163,18 +182,13 @@ def test_an_already_scheduled_victim_is_unscheduled_and_its_budget_returned():
     # blocks, the newest request - already scheduled - is preempted and its budget given back.
     s = make(num_blocks=4, block_size=4, budget=8)
     a, b = request("a", 12), request("b", 4)
-    a.block_ids = s.pool.allocate(1)
-    a.num_computed_tokens = 4
-    b.block_ids = s.pool.allocate(2)
+    put_running(s, a, num_blocks=1, num_computed=4)
     b.all_token_ids.append(7)
-    b.num_computed_tokens = 4
-    for r in (a, b):
-        r.status = RequestStatus.RUNNING
-        s.running.append(r)
+    put_running(s, b, num_blocks=2, num_computed=4)
     out = s.schedule()  # b (decode) first; a needs 2 more blocks for 8 tokens, only 1 free
-    assert [r.request_id for r in out.preempted] == ["b"]
+    assert out.preempted_ids == ["b"]
     assert plan(out) == [("a", 4, 8, True)]
-    assert a.block_ids == [0, 1, 2] and b.block_ids == []  # b's freed blocks are reused first
+    assert blocks(s, a) == [0, 1, 2] and blocks(s, b) == []  # b's freed blocks are reused first
 
 
 def test_finished_requests_free_their_blocks():
@@ -182,9 +196,9 @@ def test_finished_requests_free_their_blocks():
     a = request("a", 5, eos=(9,))
     s.add(a)
     out = s.schedule()
-    s.update(out, {"a": 9})
+    update(s, out, {"a": 9})
     assert a.status is RequestStatus.FINISHED and a.finish_reason == "stop"
-    assert s.pool.all_free() and not s.has_unfinished()
+    assert s.kv.pool.all_free() and not s.has_unfinished()
 
 
 def test_length_stop_and_eos_take_precedence_in_order():
@@ -194,6 +208,6 @@ def test_length_stop_and_eos_take_precedence_in_order():
     s.add(a)
     s.add(b)
     out = s.schedule()
-    s.update(out, {"a": 9, "b": 4})
+    update(s, out, {"a": 9, "b": 4})
     assert (a.finish_reason, b.finish_reason) == ("stop", "length")
-    assert s.pool.all_free()
+    assert s.kv.pool.all_free()

@@ -4,22 +4,22 @@ import pytest
 import torch
 
 import hfpaged
-from hfpaged.block_pool import BlockPool
-from hfpaged.config import EngineConfig
-from hfpaged.request import Request, RequestStatus
-from hfpaged.scheduler import Scheduler
+from hfpaged.core.config import EngineConfig
+from hfpaged.core.kv_manager import KVManager
+from hfpaged.core.request import Request, RequestStatus
+from hfpaged.core.scheduler import Scheduler
 from models import make_model, random_prompts, reference_generate
-from test_scheduler import params
+from test_scheduler import blocks, params, update
 
 
 def make(num_blocks=4, cpu_blocks=8):
     config = EngineConfig(block_size=4, num_blocks=num_blocks, max_num_batched_tokens=100, watermark=0.0,
                           enable_prefix_caching=False, preemption_mode="swap")
-    return Scheduler(config, BlockPool(num_blocks), counters={}, cpu_pool=BlockPool(cpu_blocks) if cpu_blocks else None)
+    return Scheduler(config, KVManager(num_blocks, 4, enable_prefix_caching=False, num_cpu_blocks=cpu_blocks))
 
 
 def plan(out):
-    return [(s.request.request_id, s.start, s.num_tokens) for s in out.scheduled]
+    return [(s.request_id, s.start, s.num_tokens) for s in out.scheduled]
 
 
 def test_swap_out_keeps_progress_and_swap_in_resumes_decoding():
@@ -28,22 +28,22 @@ def test_swap_out_keeps_progress_and_swap_in_resumes_decoding():
     s.add(a)
     s.add(b)
     out = s.schedule()
-    s.update(out, {"a": 7, "b": 8})
-    b_blocks = list(b.block_ids)
+    update(s, out, {"a": 7, "b": 8})
+    b_blocks = list(blocks(s, b))
     out = s.schedule()  # a needs a third block: b is swapped out, not recomputed
     assert out.swap_out == [(b_blocks, [0, 1])]
-    assert b.status is RequestStatus.SWAPPED and b.num_computed_tokens == 8 and b.cpu_block_ids == [0, 1]
+    assert b.status is RequestStatus.SWAPPED and b.num_computed_tokens == 8 and s.kv.cpu_block_ids(b) == [0, 1]
     assert list(s.swapped) == [b] and not s.waiting
     assert s.counters["num_swapped_out"] == 1 and s.counters["num_preemptions"] == 1
-    s.update(out, {"a": 9})
+    update(s, out, {"a": 9})
     s.finish(a, "stop")
     out = s.schedule()
     assert plan(out) == [("b", 8, 1)]  # only its decode token: its KV comes back from swap space
-    assert out.swap_in == [([0, 1], b.block_ids[:2])]
-    assert len(b.block_ids) == 3 and b.cpu_block_ids == [] and s.cpu_pool.all_free()
-    s.update(out, {"b": 1})
+    assert out.swap_in == [([0, 1], blocks(s, b)[:2])]
+    assert len(blocks(s, b)) == 3 and s.kv.cpu_block_ids(b) == [] and s.kv.cpu_pool.all_free()
+    update(s, out, {"b": 1})
     s.finish(b, "stop")
-    assert s.pool.all_free() and s.cpu_pool.all_free()
+    assert s.kv.all_free()
 
 
 def test_full_swap_space_falls_back_to_recompute():
@@ -51,9 +51,9 @@ def test_full_swap_space_falls_back_to_recompute():
     a, b = Request("a", list(range(3, 11)), params()), Request("b", list(range(20, 28)), params())
     s.add(a)
     s.add(b)
-    s.update(s.schedule(), {"a": 7, "b": 8})
+    update(s, s.schedule(), {"a": 7, "b": 8})
     out = s.schedule()
-    assert out.swap_out == [] and [r.request_id for r in out.preempted] == ["b"]
+    assert out.swap_out == [] and out.preempted_ids == ["b"]
     assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0
     assert s.counters["num_swapped_out"] == 0
 
@@ -63,11 +63,11 @@ def test_aborting_a_swapped_request_frees_its_cpu_blocks():
     a, b = Request("a", list(range(3, 11)), params()), Request("b", list(range(20, 28)), params())
     s.add(a)
     s.add(b)
-    s.update(s.schedule(), {"a": 7, "b": 8})
+    update(s, s.schedule(), {"a": 7, "b": 8})
     s.schedule()
     assert b.status is RequestStatus.SWAPPED
     s.finish(b, "abort")
-    assert s.cpu_pool.all_free() and not s.swapped
+    assert s.kv.cpu_pool.all_free() and not s.swapped
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox", "gemma2"])

@@ -13,6 +13,11 @@ from __future__ import annotations
 from collections import OrderedDict
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: how many blocks of ``b`` slots hold ``a`` tokens."""
+    return -(-a // b)
+
+
 class NoFreeBlocksError(RuntimeError):
     """Raised when more blocks are asked for than the pool has free."""
 

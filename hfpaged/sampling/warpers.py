@@ -11,10 +11,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .logits_pipeline import row_parameters as _row_values
-
 if TYPE_CHECKING:
-    from .logits_pipeline import StageContext
+    from .processors import StageContext
+
+
+def row_parameters(values: list[float], scores: torch.Tensor) -> torch.Tensor:
+    """``[n, 1]`` tensor of one parameter per row, in the scores' dtype and on their device."""
+    return torch.tensor(values, dtype=scores.dtype).to(scores.device, non_blocking=True)[:, None]
 
 
 class Temperature:
@@ -24,7 +27,7 @@ class Temperature:
     reads_history = False
 
     def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: "StageContext") -> torch.Tensor:
-        return scores / _row_values(payloads, scores)
+        return scores / row_parameters(payloads, scores)
 
 
 class TopK:
@@ -56,7 +59,7 @@ class TopP:
         sorted_logits, sorted_indices = torch.sort(scores, descending=False)
         cumulative_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         # transformers compares with the Python float (1 - top_p), i.e. that value cast to float32
-        sorted_to_remove = cumulative_probs <= _row_values([1 - p for p in payloads], scores)
+        sorted_to_remove = cumulative_probs <= row_parameters([1 - p for p in payloads], scores)
         sorted_to_remove[..., -1:] = False
         to_remove = sorted_to_remove.scatter(1, sorted_indices, sorted_to_remove)
         return scores.masked_fill(to_remove, float("-inf"))
@@ -71,7 +74,7 @@ class MinP:
     def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: "StageContext") -> torch.Tensor:
         probs = torch.softmax(scores, dim=-1)
         top_probs = probs.amax(dim=-1, keepdim=True)
-        to_remove = probs < _row_values(payloads, scores) * top_probs
+        to_remove = probs < row_parameters(payloads, scores) * top_probs
         to_remove.scatter_(-1, torch.topk(probs, 1, dim=-1).indices, False)
         return scores.masked_fill(to_remove, float("-inf"))
 
@@ -90,7 +93,7 @@ class Typical:
         sorted_scores, sorted_indices = torch.sort(shifted_scores, descending=False)
         sorted_logits = scores.gather(-1, sorted_indices)
         cumulative_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        last_ind = (cumulative_probs < _row_values(payloads, scores)).sum(dim=1)
+        last_ind = (cumulative_probs < row_parameters(payloads, scores)).sum(dim=1)
         last_ind.clamp_(max=sorted_scores.shape[-1] - 1)
         sorted_to_remove = sorted_scores > sorted_scores.gather(1, last_ind.view(-1, 1))
         sorted_to_remove[..., :1] = False
@@ -111,7 +114,7 @@ class Epsilon:
 
     def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: "StageContext") -> torch.Tensor:
         probabilities = scores.softmax(dim=-1)
-        to_remove = (probabilities < _row_values(payloads, scores)) & _below_top(scores)
+        to_remove = (probabilities < row_parameters(payloads, scores)) & _below_top(scores)
         return scores.masked_fill(to_remove, float("-inf"))
 
 

@@ -1,35 +1,33 @@
 """Beam search (``num_beams=k``) over the shared pool, round for round transformers' ``_beam_search``.
 
-A group's k beams are k requests in the scheduler. Every round each beam computes one token and hands
-the group its last logits row; once the rows of all k beams are in, the group runs transformers' own
-beam helpers on them with batch size 1 (``_get_top_k_continuations``, ``_get_running_beams_for_next_iteration``,
-``_update_finished_beams``, ``_check_early_stop_heuristic``, ``_beam_search_has_unfinished_sequences``), with
-generate's processors and stopping criteria - so tokens, scores, ties and the order of the returned
-sequences are transformers'. The new beam j continues beam p with token t: its request takes p's tokens
-plus t and p's block table (``Scheduler.share_blocks``: one more reference on each block, the blocks no
-beam continues are freed), so beams share their common prefix and the partly filled last block is copied
-on write when a beam first writes into it. The prompt is prefilled once: the first round's k identical
-rows are that one row repeated, and the other k - 1 beams fork off the first request then.
+A group's k beams are k requests in the scheduler. Every round each beam computes one token and the runner
+hands its last logits row to the group's ``BeamSearch``; once the rows of all live beams are in, it runs
+transformers' own beam steps on them with batch size 1 (``_get_top_k_continuations``,
+``_get_running_beams_for_next_iteration``, ``_update_finished_beams``, ``_check_early_stop_heuristic``,
+``_beam_search_has_unfinished_sequences``, through ``hf_compat``), with generate's processors and stopping
+criteria - so tokens, scores, ties and the order of the returned sequences are transformers'. The selection
+(beam j continues beam p with token t) goes back to the scheduler, which gives beam j p's tokens plus t and
+p's block table (``KVManager.share``: one more reference on each block, the blocks no beam continues are
+freed), so beams share their common prefix and the partly filled last block is copied on write when a beam
+first writes into it. The prompt is prefilled once: the first round's k identical rows are that one row
+repeated, and the other k - 1 beams fork off the first request then.
 
 The scheduler admits and preempts a group as a whole (by recompute; preemption drops the rows of the
 round in progress), so when a round's rows are complete every beam is running with its KV in place.
-Beam sampling (``do_sample=True``) calls the same helpers, which draw with ``torch.multinomial``: the
+Beam sampling (``do_sample=True``) calls the same steps, which draw with ``torch.multinomial``: the
 draw uses the request's seed and the round (a seeded generator state, restored afterwards).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from ..model import hf_compat
+from .params import RequestParams
 from .parallel_sampling import sample_seed
-from .request import Request
-
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
 
 
 @dataclass
@@ -41,13 +39,14 @@ class BeamSequence:
     finish_reason: str
 
 
-class BeamGroup:
-    """The k beams of one prompt and transformers' beam-search state for them (batch size 1)."""
+class BeamSearch:
+    """transformers' beam-search state for the k beams of one prompt (batch size 1), and this round's rows."""
 
-    def __init__(self, model: Any, root: Request, device: torch.device | str):
-        params = root.params
+    def __init__(
+        self, model: Any, request_id: str, params: RequestParams, prompt_token_ids: list[int], device: torch.device | str
+    ):
         config = params.generation_config
-        self.model = model
+        self.request_id = request_id  # the group's first request (the prompt's)
         self.device = torch.device(device)
         self.num_beams = num_beams = config.num_beams
         self.num_return_sequences = config.num_return_sequences or 1
@@ -59,20 +58,19 @@ class BeamGroup:
         self.processors = params.beam_processors
         self.stopping_criteria = params.stop.all_criteria
         self.seed = params.seed
-        self.prompt_len = self.cur_len = root.num_prompt_tokens
-        self.members = [root]  # the request of each beam slot; only the first until the first round ends
+        self.steps = hf_compat.BeamSearchSteps(model)
+        self.prompt_len = self.cur_len = len(prompt_token_ids)
+        self.num_live = 1  # beams computing rows each round: the prompt's alone until the first round ends
         self.rows: list[torch.Tensor | None] = [None]  # this round's logits row of each slot
         self.num_rows = 0
         self.num_rounds = 0
         self.is_done = False
         self.aborted = False
-        root.beam_group = self
-        root.num_forks_pending = num_beams - 1
 
         # transformers' _beam_search state, initialized as it does (batch_size = 1)
         device = self.device
-        eos = config._eos_token_tensor
-        pad = config._pad_token_tensor
+        eos = hf_compat.eos_token_tensor(config)
+        pad = hf_compat.pad_token_tensor(config)
         num_eos = eos.shape[0] if eos is not None else 0
         self.beams_to_keep = max(2, 1 + num_eos) * num_beams
         self.top_num_beam_mask = torch.cat(
@@ -80,7 +78,7 @@ class BeamGroup:
         ).to(device)
         fill = pad or eos[0] if eos is not None else -1
         self.running_sequences = torch.full((1, num_beams, self.max_length), fill_value=fill, dtype=torch.int64, device=device)
-        self.running_sequences[:, :, : self.cur_len] = torch.tensor(root.prompt_token_ids, device=device)
+        self.running_sequences[:, :, : self.cur_len] = torch.tensor(prompt_token_ids, device=device)
         self.sequences = self.running_sequences.clone()
         self.running_beam_scores = torch.zeros((1, num_beams), dtype=torch.float, device=device)
         self.running_beam_scores[:, 1:] = -1e9
@@ -94,68 +92,45 @@ class BeamGroup:
 
     # --- rows -----------------------------------------------------------------------------------
 
-    def take_row(self, request: Request, row: torch.Tensor) -> bool:
-        """Keep ``request``'s logits row of this round; True when it completes the round."""
-        slot = request.sequence_index
+    def take_row(self, slot: int, row: torch.Tensor) -> bool:
+        """Keep beam ``slot``'s logits row of this round; True when it completes the round."""
         if self.rows[slot] is None:
             self.num_rows += 1
         self.rows[slot] = row
-        return self.num_rows == len(self.members)
+        return self.num_rows == self.num_live
 
     def forget_rows(self) -> None:
         """Drop this round's rows (the group was preempted: its beams compute them again)."""
-        self.rows = [None] * len(self.members)
+        self.rows = [None] * self.num_live
         self.num_rows = 0
 
     # --- one round ------------------------------------------------------------------------------
 
-    def advance(self, scheduler: "Scheduler") -> bool:
-        """Select this round's continuations and move the beams on; True when the search has ended."""
+    def advance(self) -> tuple[list[int], list[int], bool]:
+        """Select this round's continuations: (parent slot, token) of each new beam, and whether the search
+        goes on. The rows are consumed; after the first round all k beams compute rows."""
         parents, tokens, unfinished = self._select()
         self.num_rounds += 1
-        root = self.members[0]
-        if self.num_rounds == 1:
-            root.first_token_time = root.first_token_time or time.perf_counter()
-            root.num_forks_pending = 0
-        if not unfinished:
-            self.is_done = True
-            for member in self.members:
-                if not member.is_finished:
-                    scheduler.finish(member, "stop")
-            return True
-        if len(self.members) == 1:  # first round: every row was the prompt's; the other beams fork off it
-            for slot in range(1, self.num_beams):
-                beam = Request(f"{root.request_id}.beam{slot}", root.prompt_token_ids, root.params, index=root.index)
-                beam.beam_group = self
-                beam.sequence_index = slot
-                beam.arrival_time = root.arrival_time
-                scheduler.fork(beam, root)
-                self.members.append(beam)
-            sources = [root] * self.num_beams
-        else:
-            sources = [self.members[p] for p in parents]
-        token_lists = [source.all_token_ids + [token] for source, token in zip(sources, tokens)]
-        scheduler.share_blocks(self.members, sources)
-        for member, ids in zip(self.members, token_lists):
-            member.all_token_ids = ids
+        self.is_done = not unfinished
+        self.num_live = self.num_beams
         self.forget_rows()
-        return False
+        return parents, tokens, unfinished
 
     def _select(self) -> tuple[list[int], list[int], bool]:
         """transformers' beam-search iteration on this round's rows: (parent slot, token) of each new beam."""
-        model, num_beams, cur_len, prompt_len = self.model, self.num_beams, self.cur_len, self.prompt_len
+        steps, num_beams, cur_len, prompt_len = self.steps, self.num_beams, self.cur_len, self.prompt_len
         rows = self.rows if len(self.rows) == num_beams else self.rows * num_beams
         logits = torch.stack(rows).to(device=self.device, dtype=torch.float32)
         log_probs = torch.nn.functional.log_softmax(logits, dim=-1)
-        flat_running_sequences = model._flatten_beam_dim(self.running_sequences[:, :, :cur_len])
+        flat_running_sequences = steps.flatten(self.running_sequences[:, :, :cur_len])
         log_probs = self.processors(flat_running_sequences, log_probs)
         vocab_size = log_probs.shape[-1]
-        log_probs = model._unflatten_beam_dim(log_probs, 1, num_beams)
+        log_probs = steps.unflatten(log_probs, num_beams)
         log_probs = log_probs + self.running_beam_scores[:, :, None]
         log_probs = torch.reshape(log_probs, (1, num_beams * vocab_size))
 
         def top_k_continuations() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return model._get_top_k_continuations(
+            return steps.top_k_continuations(
                 accumulated_log_probs=log_probs,
                 running_sequences=self.running_sequences,
                 running_beam_indices=self.running_beam_indices,
@@ -164,8 +139,7 @@ class BeamGroup:
                 do_sample=self.do_sample,
                 beams_to_keep=self.beams_to_keep,
                 num_beams=num_beams,
-                batch_size=1,
-                vocab_size=vocab_size,  # transformers <= 5.17 takes it; later versions read it from the scores
+                vocab_size=vocab_size,
             )
 
         if self.do_sample:
@@ -175,10 +149,10 @@ class BeamGroup:
         else:
             topk_log_probs, topk_running_sequences, topk_running_beam_indices = top_k_continuations()
 
-        hits = self.stopping_criteria(model._flatten_beam_dim(topk_running_sequences[:, :, : cur_len + 1]), None)
-        hits = model._unflatten_beam_dim(hits, 1, self.beams_to_keep)
+        hits = self.stopping_criteria(steps.flatten(topk_running_sequences[:, :, : cur_len + 1]), None)
+        hits = steps.unflatten(hits, self.beams_to_keep)
         self.running_sequences, self.running_beam_scores, self.running_beam_indices = (
-            model._get_running_beams_for_next_iteration(
+            steps.running_beams_for_next_iteration(
                 topk_log_probs=topk_log_probs,
                 topk_running_sequences=topk_running_sequences,
                 topk_running_beam_indices=topk_running_beam_indices,
@@ -186,7 +160,7 @@ class BeamGroup:
                 num_beams=num_beams,
             )
         )
-        self.sequences, self.beam_scores, self.beam_indices, self.is_sent_finished = model._update_finished_beams(
+        self.sequences, self.beam_scores, self.beam_indices, self.is_sent_finished = steps.update_finished_beams(
             sequences=self.sequences,
             topk_running_sequences=topk_running_sequences,
             beam_scores=self.beam_scores,
@@ -204,7 +178,7 @@ class BeamGroup:
             early_stopping=self.early_stopping,
         )
         self.cur_len = cur_len = cur_len + 1
-        self.is_early_stop_heuristic_unsatisfied = model._check_early_stop_heuristic(
+        self.is_early_stop_heuristic_unsatisfied = steps.check_early_stop_heuristic(
             is_early_stop_heuristic_unsatisfied=self.is_early_stop_heuristic_unsatisfied,
             running_beam_scores=self.running_beam_scores,
             beam_scores=self.beam_scores,
@@ -215,7 +189,7 @@ class BeamGroup:
             early_stopping=self.early_stopping,
             length_penalty=self.length_penalty,
         )
-        unfinished = model._beam_search_has_unfinished_sequences(
+        unfinished = steps.has_unfinished_sequences(
             self.is_early_stop_heuristic_unsatisfied, self.is_sent_finished, hits, self.early_stopping
         )
         # one device->host copy: each new beam's parent slot and token, and whether the search goes on
@@ -255,25 +229,6 @@ class BeamGroup:
         if self.prompt_len + len(generated) >= self.max_length:
             return "length"
         return "stop"
-
-
-def take_beam_rows(
-    logits: torch.Tensor, requests: list[Request]
-) -> tuple[torch.Tensor, list[Request], list[tuple[Request, torch.Tensor]]]:
-    """Split the beams' rows off a step's logits: (other logits, other requests, [(beam request, row)]).
-
-    The beams' rows are copied out (a CUDA-graph step returns a view of a buffer the next step reuses).
-    """
-    beam_rows = [i for i, request in enumerate(requests) if request.beam_group is not None]
-    if not beam_rows:
-        return logits, requests, []
-    device = logits.device
-    rows = logits.index_select(0, torch.tensor(beam_rows).to(device, non_blocking=True))
-    taken = [(requests[i], rows[j]) for j, i in enumerate(beam_rows)]
-    if len(beam_rows) == len(requests):
-        return logits[:0], [], taken
-    keep = [i for i, request in enumerate(requests) if request.beam_group is None]
-    return logits.index_select(0, torch.tensor(keep).to(device, non_blocking=True)), [requests[i] for i in keep], taken
 
 
 def _seeded(device: torch.device, seed: int, fn: Any) -> Any:

@@ -3,7 +3,10 @@
 With ``patch(..., compile=True)`` the decode CUDA graphs capture a ``torch.compile``-d call of the
 unmodified model (inductor fuses its norms, RoPE, activations and residual adds) around our two
 custom ops. Step metadata then reaches the attention function as forward kwargs (transformers passes
-extra kwargs down to the attention interface), so one dynamic-shape compile serves every bucket.
+extra kwargs down to the attention interface), so one dynamic-shape compile serves every bucket. The
+compiled function takes the model as an argument (it keeps no reference to it) and calls the model
+class's own ``forward``: the forward-lock wrapper ``patch`` installs is not traced (the caller holds the
+lock), and graphs are single-device only, so no top-level module hooks are skipped that matter.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ def register_custom_ops() -> None:
     global _registered
     if _registered:
         return
-    from .kernels import paged_attention, store_kv
+    from ..kernels import paged_attention, store_kv
 
     @torch.library.custom_op("hfpaged::store_kv", mutates_args=("k_cache", "v_cache"))
     def store_kv_op(
@@ -78,13 +81,14 @@ def compiled_attention(module, query, key, value, scaling, sliding_window, softc
     return out.unsqueeze(0)
 
 
-def compile_decode_forward(model: torch.nn.Module, max_seqlen_k: int) -> Callable:
-    """A compiled ``(input_ids, position_ids, slots, block_tables, seq_lens, cu_seqlens_q) -> logits``."""
+def compile_decode_forward(max_seqlen_k: int) -> Callable:
+    """A compiled ``(model, input_ids, position_ids, slots, block_tables, seq_lens, cu_seqlens_q) -> logits``."""
     register_custom_ops()
 
     @torch.no_grad()
-    def forward(input_ids, position_ids, slot_mapping, block_tables, seq_lens, cu_seqlens_q):
-        output = model(
+    def forward(model, input_ids, position_ids, slot_mapping, block_tables, seq_lens, cu_seqlens_q):
+        output = type(model).forward(
+            model,
             input_ids=input_ids,
             position_ids=position_ids,
             use_cache=False,

@@ -22,8 +22,10 @@ from transformers.generation.stopping_criteria import (
     StopStringCriteria,
 )
 
+from ..model import hf_compat
+
 if TYPE_CHECKING:
-    from .request import Request
+    from ..core.request import Request
 
 
 @dataclass
@@ -64,9 +66,10 @@ def build_stop_rules(
         if criterion is None:
             criterion = stop_string_cache[key] = StopStringCriteria(stop_strings=config.stop_strings, tokenizer=tokenizer)
         defaults.append(criterion)
-    if config._eos_token_tensor is not None:
-        defaults.append(EosTokenCriteria(eos_token_id=config._eos_token_tensor))
-    merged = model._merge_criteria_processor_list(defaults, user_criteria if user_criteria is not None else [])
+    eos = hf_compat.eos_token_tensor(config)
+    if eos is not None:
+        defaults.append(EosTokenCriteria(eos_token_id=eos))
+    merged = hf_compat.merge_stopping_criteria(model, defaults, user_criteria if user_criteria is not None else [])
     built = {id(c) for c in defaults}
     rules = StopRules()
     others = StoppingCriteriaList()
@@ -102,7 +105,7 @@ def check_stops(requests: list["Request"]) -> list[str | None]:
             if bool(rules.criteria(ids, None).any()):
                 reasons[i] = "stop"
                 continue
-        if request.num_tokens >= params.max_length:
+        if len(request.all_token_ids) >= params.max_length:
             reasons[i] = "length"
         elif rules.max_time is not None:
             now = time.time() if now is None else now
@@ -119,12 +122,12 @@ def _stop_string_hits(criterion: StopStringCriteria, requests: list["Request"]) 
     """The criterion on each request's last ``maximum_token_len`` ids: one call for all long-enough requests."""
     width = criterion.maximum_token_len
     hits = [False] * len(requests)
-    full = [i for i, r in enumerate(requests) if r.num_tokens >= width]
+    full = [i for i, r in enumerate(requests) if len(r.all_token_ids) >= width]
     if full:
         tails = torch.tensor([requests[i].all_token_ids[-width:] for i in full], dtype=torch.long)
         for i, stopped in zip(full, criterion(tails, None).tolist()):
             hits[i] = bool(stopped)
     for i, request in enumerate(requests):
-        if request.num_tokens < width:
+        if len(request.all_token_ids) < width:
             hits[i] = bool(criterion(torch.tensor([request.all_token_ids], dtype=torch.long), None)[0])
     return hits

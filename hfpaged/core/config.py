@@ -23,7 +23,8 @@ class EngineConfig:
     compile: bool = False  # torch.compile the decode forward captured in the CUDA graphs (CUDA + Triton only)
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
-    swap_space: float = 4.0  # GiB of pinned CPU memory for swapped-out blocks
+    swap_space: float | None = None  # GiB of pinned CPU memory for swapped-out blocks; None: as many blocks
+    # as the GPU pool holds, at most 4 GiB (allocated at the first swap-out, not at patch time)
     watermark: float = 0.01  # share of blocks kept free when admitting new requests
     cpu_kv_cache_gib: float = 1.0  # KV budget when num_blocks=None on a non-CUDA device
 
@@ -44,7 +45,7 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        if self.swap_space < 0:
+        if self.swap_space is not None and self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")

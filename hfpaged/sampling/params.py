@@ -8,16 +8,17 @@ cannot drift from stock ``generate``. Which settings apply to which prompt is ``
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
-from typing import Any
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
 
 import torch
 from transformers import GenerationConfig
 from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.stopping_criteria import StoppingCriteriaList
 
-from .logits_pipeline import Stage, stage_schedule
-from .processor_plan import adjustment_stages, plan_stages, wrap_prefix_allowed_tokens_fn
-from .prompt_settings import CallOptions
+from ..model import hf_compat
+from .processors import Stage, adjustment_stages, plan_stages, stage_schedule, wrap_prefix_allowed_tokens_fn
 from .stopping import StopRules, build_stop_rules
 
 # Generation settings that change the decoding algorithm in ways hfpaged does not implement.
@@ -36,6 +37,46 @@ _UNSUPPORTED_TRUE = {
     "output_attentions": "attentions are not returned by generate_many",
     "output_hidden_states": "hidden states are not returned by generate_many",
 }
+@dataclass
+class CallOptions:
+    """Per-request options that are not GenerationConfig fields (vLLM-style extras included)."""
+
+    seed: int | None = None  # sampling seed; None draws one from torch's global RNG
+    logits_processor: LogitsProcessorList | None = None  # applied with this request's own ids
+    stopping_criteria: StoppingCriteriaList | None = None
+    prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None  # batch_id = prompt index
+    presence_penalty: float = 0.0  # subtracted once from every token generated so far
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    logit_bias: dict[int, float] | None = None  # token id -> value added to its logit
+    return_logprobs: bool = False  # GenerationResult.logprobs: log-prob of each generated token
+    top_logprobs: int = 0  # also the top-k alternatives per position (implies return_logprobs)
+
+    def __post_init__(self) -> None:
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                isinstance(k, int) and not isinstance(k, bool) and k >= 0
+                and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                for k, v in self.logit_bias.items()
+            ):
+                raise ValueError(
+                    f"logit_bias must be a dict of token id (int >= 0) -> finite float, got {self.logit_bias!r}"
+                )
+        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int) or self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be an int >= 0, got {self.top_logprobs!r}")
+        if self.top_logprobs:
+            self.return_logprobs = True
+        if self.logits_processor is not None and not isinstance(self.logits_processor, list):
+            raise ValueError("logits_processor must be a LogitsProcessorList (or a list of processors)")
+        if self.stopping_criteria is not None and not isinstance(self.stopping_criteria, list):
+            raise ValueError("stopping_criteria must be a StoppingCriteriaList (or a list of criteria)")
+
+
 @dataclass
 class ResolvedConfig:
     """A GenerationConfig merged over the model's defaults, before per-prompt lengths."""
@@ -84,7 +125,7 @@ def resolve_generation_config(
         and (generation_config is None or generation_config.min_length is None)
         and model.generation_config.min_length is None
     )
-    config, unused = model._prepare_generation_config(generation_config, **gen_kwargs)
+    config, unused = hf_compat.prepare_generation_config(model, generation_config, gen_kwargs)
     unused = {k: v for k, v in unused.items() if k not in ("output_attentions", "output_hidden_states")}
     if unused:
         raise ValueError(f"generate_many got unsupported arguments: {sorted(unused)}")
@@ -93,7 +134,7 @@ def resolve_generation_config(
         config.validate(strict=False)
     except TypeError:  # older signature
         config.validate()
-    model._prepare_special_tokens(config, kwargs_has_attention_mask=False, device="cpu", batch_size=1)
+    hf_compat.prepare_special_tokens(model, config)
     return ResolvedConfig(config, has_default_max_length, has_default_min_length)
 
 
@@ -148,13 +189,8 @@ def make_request_params(
     """
     config = copy.copy(resolved.generation_config)
     prompt_len = len(prompt_token_ids)
-    config = model._prepare_generated_length(
-        generation_config=config,
-        has_default_max_length=resolved.has_default_max_length,
-        has_default_min_length=resolved.has_default_min_length,
-        model_input_name="input_ids",
-        input_ids_length=prompt_len,
-        inputs_tensor=None,
+    config = hf_compat.prepare_generated_length(
+        model, config, resolved.has_default_max_length, resolved.has_default_min_length, prompt_len
     )
     if prompt_len >= config.max_length:
         raise ValueError(
@@ -171,14 +207,13 @@ def make_request_params(
     processor_device = device if num_beams > 1 else "cpu"  # single-beam processors become stages (logits_pipeline)
     user_processors = LogitsProcessorList(options.logits_processor or [])
     prefix_fn = options.prefix_allowed_tokens_fn
-    processors = model._get_logits_processor(
-        generation_config=config,
-        input_ids_seq_length=prompt_len,
-        encoder_input_ids=torch.tensor([prompt_token_ids], dtype=torch.long, device=processor_device),
-        prefix_allowed_tokens_fn=None if prefix_fn is None else wrap_prefix_allowed_tokens_fn(prefix_fn, index or 0),
-        logits_processor=user_processors,
-        device=processor_device,
-        model_kwargs={},
+    processors = hf_compat.logits_processors(
+        model,
+        config,
+        torch.tensor([prompt_token_ids], dtype=torch.long, device=processor_device),
+        None if prefix_fn is None else wrap_prefix_allowed_tokens_fn(prefix_fn, index or 0),
+        user_processors,
+        processor_device,
     )
     stages = ()
     if num_beams == 1:
@@ -191,7 +226,7 @@ def make_request_params(
     stop = build_stop_rules(
         model, config, options.stopping_criteria, tokenizer, stop_string_cache if stop_string_cache is not None else {}
     )
-    eos = config._eos_token_tensor
+    eos = hf_compat.eos_token_tensor(config)
     return RequestParams(
         generation_config=config,
         max_length=config.max_length,

@@ -11,16 +11,13 @@ shared memory pool.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 import torch
 
 from .attention import AttentionMetadata
-from .step_inputs import DeviceStep, packed_size, region_slices, tables_offset
-
-if TYPE_CHECKING:
-    from .patch import PatchState
+from .input_batch import DeviceStep, packed_size, region_slices, tables_offset
 
 logger = logging.getLogger("hfpaged")
 
@@ -37,13 +34,19 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """Captured decode forwards keyed by batch bucket."""
 
-    def __init__(self, state: "PatchState", forward: Callable[[DeviceStep], torch.Tensor], width: int, max_seqlen_k: int):
-        self.state = state
+    def __init__(
+        self,
+        forward: Callable[[DeviceStep], torch.Tensor],
+        device: torch.device,
+        max_num_seqs: int,
+        width: int,
+        max_seqlen_k: int,
+    ):
         self.forward = forward
         self.width = width  # block-table columns every graph may read
         self.max_seqlen_k = max_seqlen_k  # the attention grid hint baked into the graphs
-        self.buckets = batch_buckets(state.config.max_num_seqs)
-        self.device = state.input_device
+        self.buckets = batch_buckets(max_num_seqs)
+        self.device = device
         largest = self.buckets[-1]
         self.static = torch.zeros(packed_size(largest, largest, 0), dtype=torch.int32, device=self.device)
         self.static_block_tables = torch.zeros(largest, width, dtype=torch.int32, device=self.device)

@@ -1,17 +1,80 @@
-"""Device token statistics per live request, kept up to date incrementally (one row per request).
+"""History penalties on the device: transformers' repetition penalties and vLLM's presence/frequency/logit_bias.
 
-Only the tokens a request appended since the last step are scattered in, so a step costs O(new tokens)
-host work however long the requests are.
+They read which tokens a request has seen from a ``TokenCountTable``: device token statistics per live
+request, kept up to date incrementally (only the tokens a request appended since the last step are
+scattered in), so a step costs O(new tokens) host work however long the requests are.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .warpers import row_parameters
+
 if TYPE_CHECKING:
-    from .request import Request
+    from .processors import StageContext
+
+
+class RepetitionPenalty:
+    """``RepetitionPenaltyLogitsProcessor``: every token of prompt + output, once: x*p if x < 0 else x/p."""
+
+    name = "repetition_penalty"
+
+    def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: "StageContext") -> torch.Tensor:
+        table = context.token_counts
+        slots = table.slots_for(requests)
+        seen = table.prompt_mask[slots] | (table.output_counts[slots] > 0)
+        penalty = row_parameters(payloads, scores)
+        penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
+        return torch.where(seen, penalized, scores)
+
+
+class EncoderRepetitionPenalty:
+    """``EncoderRepetitionPenaltyLogitsProcessor`` over the prompt (payload: transformers' inverted penalty)."""
+
+    name = "encoder_repetition_penalty"
+
+    def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: "StageContext") -> torch.Tensor:
+        table = context.token_counts
+        slots = table.slots_for(requests)
+        seen = table.prompt_mask[slots]
+        penalty = row_parameters(payloads, scores)
+        penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
+        return torch.where(seen, penalized, scores)
+
+
+class PresenceFrequencyPenalty:
+    """vLLM's penalties over generated tokens: x - frequency * count - presence * (count > 0).
+
+    Payload: ``(presence_penalty, frequency_penalty)``.
+    """
+
+    name = "presence_frequency_penalty"
+
+    def apply(self, scores: torch.Tensor, payloads: list, requests: list, context: "StageContext") -> torch.Tensor:
+        table = context.token_counts
+        slots = table.slots_for(requests)
+        counts = table.output_counts[slots]
+        presence = row_parameters([p for p, _ in payloads], scores)
+        frequency = row_parameters([f for _, f in payloads], scores)
+        return scores - frequency * counts - presence * (counts > 0).to(scores.dtype)
+
+
+class LogitBias:
+    """vLLM's ``logit_bias``: add a fixed value to chosen token ids. Payload: ``(token_ids, values)`` tensors."""
+
+    name = "logit_bias"
+    reads_history = False
+
+    def apply(self, scores: torch.Tensor, payloads: list, requests: list, context: "StageContext") -> torch.Tensor:
+        rows = torch.repeat_interleave(torch.arange(len(payloads)), torch.tensor([len(ids) for ids, _ in payloads]))
+        cols = torch.cat([ids for ids, _ in payloads])
+        values = torch.cat([v for _, v in payloads]).to(scores.dtype)
+        device = scores.device
+        index = torch.stack([rows, cols]).to(device, non_blocking=True)
+        return scores.index_put((index[0], index[1]), values.to(device, non_blocking=True), accumulate=True)
 
 
 class TokenCountTable:
@@ -27,11 +90,11 @@ class TokenCountTable:
         self.capacity = 0
         self.prompt_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
         self.output_counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
-        self.slot_of: dict["Request", int] = {}
-        self.num_counted: dict["Request", int] = {}
+        self.slot_of: dict[Any, int] = {}
+        self.num_counted: dict[Any, int] = {}
         self.free_slots: list[int] = []
 
-    def _take_slot(self, request: "Request") -> int:
+    def _take_slot(self, request: Any) -> int:
         if not self.free_slots:
             for owner in [r for r in self.slot_of if r.is_finished]:
                 self.free_slots.append(self.slot_of.pop(owner))
@@ -52,7 +115,7 @@ class TokenCountTable:
         self.free_slots.extend(range(capacity - 1, self.capacity - 1, -1))
         self.capacity = capacity
 
-    def slots_for(self, requests: list["Request"]) -> torch.Tensor:
+    def slots_for(self, requests: list[Any]) -> torch.Tensor:
         """The requests' slots ``[n]`` on the device, after counting every token they gained since last time."""
         slots, new_slots = [], []
         prompt_rows, prompt_cols, output_rows, output_cols = [], [], [], []

@@ -1,0 +1,104 @@
+"""Scheduler-side state of one sequence: its tokens, its progress through them, and its status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..sampling.beam_search import BeamSearch
+    from ..sampling.params import RequestParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV parked in CPU swap space
+    FINISHED = "finished"
+
+
+class RequestGroup:
+    """The sequences of one prompt decoded side by side: parallel samples, or the beams of a beam search.
+
+    The first member (the root) prefills the prompt; the others fork off it when it samples its first token.
+    """
+
+    def __init__(self, root: "Request", num_sequences: int, beam_search: "BeamSearch | None" = None):
+        self.members = [root]
+        self.num_sequences = num_sequences
+        self.beam_search = beam_search
+        root.group = self
+        root.num_forks_pending = num_sequences - 1
+
+    @property
+    def is_beam_search(self) -> bool:
+        return self.beam_search is not None
+
+
+class Request:
+    """One sequence being decoded.
+
+    A request is simply behind by ``num_tokens - num_computed_tokens`` tokens: the whole prompt before its
+    first step, one token while decoding, everything again after a recompute preemption. Only the scheduler
+    changes it after creation.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: "RequestParams",
+        index: int | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt_id = request_id  # the id of its prompt's first request (its own, unless it was forked)
+        self.index = index  # position in the caller's prompt list, when there is one
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.error: str | None = None  # why it finished with finish_reason "error"
+        self.num_preemptions = 0
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.logprobs: list[float] | None = [] if params.return_logprobs else None
+        self.top_logprobs: list[dict[int, float]] | None = [] if params.top_logprobs else None
+        # Several sequences per prompt: the group, this sequence's place in it, and (root, before its first
+        # sample) how many sequences it forks off then. None / 0 for the usual single sequence.
+        self.group: RequestGroup | None = None
+        self.sequence_index = 0
+        self.num_forks_pending = 0
+        # Tokens sampled by an overlapped step whose values the host has not read yet: they count in
+        # num_tokens (the next step is planned with them) and become real in update_from_output.
+        self.num_output_placeholders = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def members(self) -> list["Request"]:
+        """Every sequence of this request's prompt (itself alone unless it is part of a group)."""
+        return self.group.members if self.group is not None else [self]
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"status={self.status.value})"
+        )

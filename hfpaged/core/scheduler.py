@@ -1,0 +1,415 @@
+"""Continuous-batching scheduler: which requests run this step, and how many tokens each (policy only).
+
+Policy (vLLM v1's framing, no separate prefill/decode phases):
+1. running requests, decodes first (then running chunked prefills), oldest admitted first; each
+   gets ``min(tokens behind, budget left)`` tokens. When one cannot get a block, the most recently
+   admitted running request is preempted until it can - possibly itself. Preemption is by
+   recompute (blocks freed, back to the front of waiting) or, in swap mode while CPU swap space
+   has room, by swapping its blocks out (it keeps its progress and waits in the swapped queue);
+2. then swapped requests, then waiting ones, in order, while ``max_num_seqs`` and the token budget
+   allow and their blocks fit above the watermark (nothing joins in a step that preempted).
+A request is sampled only in a step that brings it fully up to date. Blocks are the KV manager's: the
+scheduler asks it and never touches block ids or reference counts.
+
+The k beams of a beam search group are admitted and preempted together, by recompute: a group is either
+wholly running or wholly waiting. A beam whose row of the current round is computed has no token to
+compute, so it is simply not scheduled until its group has selected the next tokens.
+
+``update_from_output`` is the other half of a step: it appends the runner's sampled tokens, forks parallel
+samples, moves beams on, checks stop conditions, frees finished requests and returns their outputs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from ..outputs import RequestOutput, make_request_output
+from ..sampling.stopping import check_stops
+from .config import EngineConfig
+from .kv_manager import KVManager
+from .request import Request, RequestStatus
+from .runner_output import BeamRound, ModelRunnerOutput, SampledToken
+from .scheduler_output import CachedRequestData, NewRequestData, ScheduledRequest, SchedulerOutput
+
+COUNTER_NAMES = ("num_preemptions", "num_swapped_out", "prefix_cache_queries", "prefix_cache_hits")
+
+
+class Scheduler:
+    """Waiting, running and swapped queues over one KV manager."""
+
+    def __init__(self, config: EngineConfig, kv: KVManager):
+        self.config = config
+        self.kv = kv
+        self.counters = kv.counters
+        for key in COUNTER_NAMES:
+            self.counters.setdefault(key, 0)
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.waiting: deque[Request] = deque()
+        self.swapped: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is the newest
+        self.watermark_blocks = int(config.watermark * kv.num_blocks)
+        self._runner_has: set[str] = set()  # requests whose state the runner holds
+        self._dropped: list[str] = []  # requests the runner should forget at the next step
+
+    # --- queues -----------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Queue a new request (the first sequence of its prompt)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        """Mark ``request`` finished, release its blocks and drop it from the queues."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        elif request.status is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+        if request.status is not RequestStatus.FINISHED:
+            self.kv.free(request)
+            self._forget(request)
+        self.requests.pop(request.request_id, None)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.error = error
+        request.finish_time = time.perf_counter()
+        request.num_output_placeholders = 0  # a token still in flight is dropped
+        request.num_forks_pending = 0  # a prompt that ends before its first sample forks nothing
+
+    def abort(self, request_id: str) -> list[Request]:
+        """Finish every sequence of the prompt of ``request_id`` with reason "abort"; returns them."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return []
+        members = [m for m in request.members if not m.is_finished]
+        if request.group is not None and request.group.beam_search is not None:
+            request.group.beam_search.aborted = True
+        for member in members:
+            self.finish(member, "abort")
+        return members
+
+    def reset(self) -> None:
+        """After a failed step: every running and swapped request goes back to waiting, to be recomputed.
+
+        The failed step may have written part of its KV (and a swap-out may not have run): all of it is
+        released. Tokens sampled by steps whose results were never read are sampled again.
+        """
+        requeued = self.running + list(self.swapped)
+        self.running = []
+        self.swapped.clear()
+        for request in requeued + list(self.waiting):
+            self.kv.free(request, keep_hashes=True)
+            request.num_computed_tokens = 0
+            request.num_output_placeholders = 0
+            request.status = RequestStatus.WAITING
+        self.waiting = deque(requeued + list(self.waiting))
+        self.kv.take_copies()
+        self._runner_has.clear()
+        self._dropped = []
+
+    def _forget(self, request: Request) -> None:
+        """The runner's state of ``request`` is stale: it is dropped at the next step (and rebuilt if needed)."""
+        if request.request_id in self._runner_has:
+            self._runner_has.discard(request.request_id)
+            self._dropped.append(request.request_id)
+
+    # --- preemption -------------------------------------------------------------------------------
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> list[Request]:
+        """Preempt ``request``, or every beam of its group with it; returns the requests preempted."""
+        group = request.group
+        if group is None or group.beam_search is None:
+            self._preempt_one(request, out, allow_swap=True)
+            return [request]
+        members = [m for m in group.members if m.status is RequestStatus.RUNNING]
+        for member in reversed(members):  # back to the front of waiting together, in beam order
+            self._preempt_one(member, out, allow_swap=False)
+        return members
+
+    def _preempt_one(self, request: Request, out: SchedulerOutput, allow_swap: bool) -> None:
+        self.running.remove(request)
+        out.preempted_ids.append(request.request_id)
+        self._forget(request)
+        request.num_preemptions += 1
+        self.counters["num_preemptions"] += 1
+        if allow_swap and self.config.preemption_mode == "swap":
+            copy = self.kv.swap_out(request)
+            if copy is not None:
+                out.swap_out.append(copy)
+                request.status = RequestStatus.SWAPPED
+                self.counters["num_swapped_out"] += 1
+                self.swapped.append(request)
+                return
+        self.kv.free(request, keep_hashes=True)  # recompute (also the fallback when swap space is full)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    # --- admission --------------------------------------------------------------------------------
+
+    def _admit(self, request: Request, budget: int, keep_free: int) -> int:
+        """Blocks for a waiting request's next chunk, reusing cached prefix blocks; the tokens to compute
+        this step (0: it does not fit now)."""
+        hits = self.kv.lookup_prefix(request)
+        num_cached = len(hits) * self.kv.block_size
+        num_new = min(request.num_tokens - num_cached, budget)
+        if not self.kv.allocate(request, num_cached + num_new, keep_free, prefix_hits=hits):
+            return 0
+        request.num_computed_tokens = num_cached
+        return num_new
+
+    def _admit_beams(self, members: list[Request], budget: int, scheduled: dict[str, ScheduledRequest]) -> int | None:
+        """Admit all the beams of a re-queued group, or none; returns the token budget left (None: none).
+
+        All their blocks must fit above the watermark; beams past the token budget join without tokens
+        this step and are prefilled in the next ones.
+        """
+        if len(self.running) + len(members) > self.config.max_num_seqs:
+            return None
+        keep_free = self.watermark_blocks if self.running else 0
+        if self.kv.num_free_blocks - sum(self.kv.blocks_for(m.num_tokens) for m in members) < keep_free:
+            return None
+        for member in members:
+            num_new = self._admit(member, budget, 0) if budget > 0 else 0
+            self.waiting.remove(member)
+            member.status = RequestStatus.RUNNING
+            self.running.append(member)
+            if num_new:
+                scheduled[member.request_id] = _scheduled(member, num_new)
+                budget -= num_new
+        return budget
+
+    # --- one step ---------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's batch, take the blocks it needs and count its tokens as computed."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        max_num_seqs = self.config.max_num_seqs
+        scheduled: dict[str, ScheduledRequest] = {}
+
+        # A request whose placeholder token (sampled by the step still in flight) ends it by length is not
+        # planned again: it finishes when that token is read back.
+        decodes = [
+            r for r in self.running
+            if r.num_tokens - r.num_computed_tokens == 1
+            and not (r.num_output_placeholders and r.num_tokens >= r.params.max_length)
+        ]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decodes + prefills:
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            while True:
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                if self.kv.allocate(request, request.num_computed_tokens + num_new):
+                    break
+                for victim in self._preempt(self.running[-1], out):
+                    undone = scheduled.pop(victim.request_id, None)
+                    if undone is not None:  # give back what the victim was granted this step
+                        budget += undone.num_tokens
+                if request.status is not RequestStatus.RUNNING:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            scheduled[request.request_id] = _scheduled(request, num_new)
+            budget -= num_new
+
+        if not out.preempted_ids:
+            while self.swapped and budget > 0 and len(self.running) < max_num_seqs:
+                request = self.swapped[0]
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                keep_free = self.watermark_blocks if self.running else 0
+                copy = self.kv.swap_in(request, request.num_computed_tokens + num_new, keep_free)
+                if copy is None:
+                    break
+                self.swapped.popleft()
+                out.swap_in.append(copy)
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                scheduled[request.request_id] = _scheduled(request, num_new)
+                budget -= num_new
+        if not out.preempted_ids and not self.swapped:
+            while self.waiting and budget > 0 and len(self.running) < max_num_seqs:
+                request = self.waiting[0]
+                group = request.group
+                if group is not None and group.beam_search is not None and len(group.members) > 1:
+                    budget_left = self._admit_beams(group.members, budget, scheduled)
+                    if budget_left is None:
+                        break
+                    budget = budget_left
+                    continue
+                if len(self.running) + request.num_forks_pending >= max_num_seqs:
+                    break  # the sequences it forks into at its first sample would not fit
+                keep_free = self.watermark_blocks if self.running else 0
+                num_new = self._admit(request, budget, keep_free)
+                if num_new == 0:
+                    break
+                self.waiting.popleft()
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                scheduled[request.request_id] = _scheduled(request, num_new)
+                budget -= num_new
+
+        out.scheduled = list(scheduled.values())
+        self._commit(out)
+        return out
+
+    def _commit(self, out: SchedulerOutput) -> None:
+        """Count the step's tokens as computed, decide whether it may overlap the next, and describe it to
+        the runner (new requests whole, known ones by block-table diffs)."""
+        sampled = []
+        for item in out.scheduled:
+            request = self.requests[item.request_id]
+            request.num_computed_tokens += item.num_tokens
+            if item.samples:
+                sampled.append(request)
+            if item.request_id not in self._runner_has:
+                self._runner_has.add(item.request_id)
+                self.kv.take_table_update(request)
+                out.new_requests.append(
+                    NewRequestData(
+                        request_id=item.request_id,
+                        token_ids=list(request.all_token_ids),
+                        block_ids=list(self.kv.block_ids(request)),
+                        params=request.params,
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        sequence_index=request.sequence_index,
+                        num_forks=request.num_forks_pending,
+                        beam_search=request.group.beam_search if request.group is not None else None,
+                    )
+                )
+            else:
+                update = self.kv.take_table_update(request)
+                if update is not None:
+                    out.cached_requests.append(CachedRequestData(item.request_id, *update))
+        # Sampling that reads the token history, forks or moves beams needs this step's tokens before the
+        # next step is planned; otherwise they count as placeholders until they are read.
+        out.overlapped = self.config.async_scheduling and not any(
+            r.params.stages_read_history or r.num_forks_pending or (r.group is not None and r.group.beam_search is not None)
+            for r in sampled
+        )
+        if out.overlapped:
+            for request in sampled:
+                request.num_output_placeholders += 1
+        out.dropped_ids, self._dropped = self._dropped, []
+        out.block_copies = self.kv.take_copies()
+
+    # --- results ----------------------------------------------------------------------------------
+
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
+        """Append the step's sampled tokens, fork, move beams on, finish what stops; one output per request
+        that gained tokens. Requests finished since the step was scheduled are skipped."""
+        for item in out.scheduled:  # the step's KV is computed: its full blocks can serve later prompts
+            request = self.requests.get(item.request_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                self.kv.register_computed(request)
+        advanced: list[Request] = []
+        outputs: list[RequestOutput] = []
+        for sampled in result.sampled:
+            request = self.requests.get(sampled.request_id)
+            if request is None:
+                continue
+            if out.overlapped:
+                request.num_output_placeholders -= 1
+            if sampled.error is not None:
+                self.finish(request, "error", sampled.error)
+                outputs.append(make_request_output(request, []))
+                continue
+            _append(request, sampled)
+            advanced.append(request)
+            for fork in result.forks.get(request.request_id, ()):
+                advanced.append(self._fork(request, fork.sequence_index, fork.params, fork.sampled))
+            if request.num_forks_pending:
+                request.num_forks_pending = 0
+        for beam_round in result.beam_rounds:
+            outputs += self._advance_beams(beam_round)
+        for request, reason in zip(advanced, check_stops(advanced)):
+            if reason is not None:
+                self.finish(request, reason)
+        return outputs + [make_request_output(request, request.all_token_ids[-1:]) for request in advanced]
+
+    def _fork(self, parent: Request, index: int, params, sampled: SampledToken) -> Request:
+        """Parallel sampling: sequence ``index`` of the parent's prompt forks off it with its own first token."""
+        child = Request(f"{parent.request_id}.{index}", parent.prompt_token_ids, params, index=parent.index)
+        child.prompt_id = parent.prompt_id
+        child.group = parent.group
+        child.sequence_index = index
+        child.arrival_time = parent.arrival_time
+        parent.group.members.append(child)
+        self.kv.fork(child, parent)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+        self.requests[child.request_id] = child
+        _append(child, sampled)
+        return child
+
+    def _advance_beams(self, beam_round: BeamRound) -> list[RequestOutput]:
+        """A group's selection: beam j continues beam ``parents[j]`` (its tokens and blocks) plus ``tokens[j]``.
+        When the search has ended, its returned sequences are the outputs."""
+        root = self.requests.get(beam_round.root_id)
+        if root is None:
+            return []
+        group = root.group
+        search = group.beam_search
+        if root.first_token_time is None:
+            root.first_token_time = time.perf_counter()
+        root.num_forks_pending = 0
+        if not beam_round.unfinished:
+            for member in list(group.members):
+                if not member.is_finished:
+                    self.finish(member, "stop")
+            all_ids = root.prompt_token_ids
+            return [
+                make_request_output(root, seq.token_ids, all_token_ids=all_ids + seq.token_ids, finished=True,
+                                    finish_reason=seq.finish_reason, sequence_index=i)
+                for i, seq in enumerate(search.returned_sequences())
+            ]
+        if len(group.members) == 1:  # first round: every row was the prompt's; the other beams fork off it
+            for slot in range(1, group.num_sequences):
+                beam = Request(f"{root.request_id}.beam{slot}", root.prompt_token_ids, root.params, index=root.index)
+                beam.prompt_id = root.prompt_id
+                beam.group = group
+                beam.sequence_index = slot
+                beam.arrival_time = root.arrival_time
+                group.members.append(beam)
+                self.kv.fork(beam, root)
+                beam.status = RequestStatus.RUNNING
+                self.running.append(beam)
+                self.requests[beam.request_id] = beam
+            sources = [root] * group.num_sequences
+        else:
+            sources = [group.members[p] for p in beam_round.parents]
+        taken = [(source.all_token_ids + [token], source.num_computed_tokens) for source, token in zip(sources, beam_round.tokens)]
+        self.kv.share(group.members, sources)
+        for member, (token_ids, num_computed) in zip(group.members, taken):
+            member.all_token_ids = token_ids
+            member.num_computed_tokens = num_computed
+            self._forget(member)  # its tokens and table are another beam's now: the runner rebuilds its state
+        return []
+
+
+def _scheduled(request: Request, num_tokens: int) -> ScheduledRequest:
+    start = request.num_computed_tokens
+    return ScheduledRequest(request.request_id, start, num_tokens, samples=start + num_tokens == request.num_tokens)
+
+
+def _append(request: Request, sampled: SampledToken) -> None:
+    """Append a sampled token (and its log-probabilities when the request keeps them)."""
+    if request.first_token_time is None:
+        request.first_token_time = time.perf_counter()
+    request.all_token_ids.append(sampled.token_id)
+    if request.logprobs is not None and sampled.logprob is not None:
+        request.logprobs.append(sampled.logprob)
+        if request.top_logprobs is not None:
+            request.top_logprobs.append(sampled.top_logprobs if sampled.top_logprobs is not None else {})

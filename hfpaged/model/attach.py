@@ -1,0 +1,184 @@
+"""Attaching hfpaged to a model and taking it off again: layer bindings, the KV pool, the forward lock.
+
+``attach`` finds the attention layers, allocates one shared block pool (a block id names the same slots
+in every layer's K and V), binds each layer's caches (``module._hfpaged_kv``) and wraps ``model.forward``
+so stock calls take the model's forward lock, which paged forwards hold while the attention is switched
+(see ``attention.paged_forward``). Everything hangs off ``model._hfpaged`` (a ``PatchState``) and nothing
+in it refers back to the model, so ``del model`` frees the pool at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+
+from ..core.config import EngineConfig
+from .attention import LayerRecord
+from .kv_cache import allocate_caches, block_bytes, check_model, collect_configs, discover_layers, max_model_len, size_pool
+from .swap_space import SwapSpace, swap_blocks
+
+logger = logging.getLogger("hfpaged")
+
+
+class WeightsVersion:
+    """A cheap fingerprint of a model's parameters: where each lives and how often it was written in place."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.storage, self.versions = self.read(model)
+
+    @staticmethod
+    def read(model: torch.nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        params = list(model.parameters())
+        return tuple(p.data_ptr() for p in params), tuple(p._version for p in params)
+
+    def check(self, model: torch.nn.Module) -> tuple[bool, bool]:
+        """(changed at all, moved to new storage) since the last check; remembers the new fingerprint."""
+        storage, versions = self.read(model)
+        moved = storage != self.storage
+        changed = moved or versions != self.versions
+        self.storage, self.versions = storage, versions
+        return changed, moved
+
+
+@dataclass
+class PatchState:
+    """Everything ``patch`` attaches to a model (as ``model._hfpaged``)."""
+
+    config: EngineConfig
+    layers: list[LayerRecord]
+    attn_configs: list[PretrainedConfig]
+    input_device: torch.device
+    forward_lock: threading.RLock
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    num_blocks: int
+    weights: WeightsVersion
+    swap: SwapSpace | None = None
+    tokenizer: Any = None
+    vocab_size: int = 0
+    max_model_len: int | None = None
+    counters: dict[str, int] = field(default_factory=dict)  # shared with the scheduler (hfpaged.stats)
+    engine: Any = None  # the model's one EngineCore, created on first use (hfpaged.engine)
+    previous_forward: Callable | None = None  # an instance-level forward that was there before ours
+
+    @property
+    def uses_cuda(self) -> bool:
+        return all(layer.device.type == "cuda" for layer in self.layers)
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.swap.num_blocks if self.swap is not None else 0
+
+    @property
+    def use_triton(self) -> bool:
+        backend = self.config.attention_backend
+        if backend == "torch":
+            return False
+        if backend == "triton":
+            return True
+        return self.uses_cuda and all(layer.head_dim == layer.head_dim_v for layer in self.layers)
+
+    def attention_functions(self) -> tuple[Callable, Callable]:
+        """(store_kv, paged_attention) for this model: Triton kernels on CUDA, else the torch reference."""
+        from .. import kernels
+
+        if self.use_triton:
+            return kernels.store_kv, kernels.paged_attention
+        return kernels.store_kv_reference, kernels.paged_attention_reference
+
+
+def get_state(model: Any) -> PatchState:
+    state = getattr(model, "_hfpaged", None)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} is not patched; call hfpaged.patch(model) first")
+    return state
+
+
+def _wrap_forward(model: torch.nn.Module, lock: threading.RLock) -> Callable | None:
+    """Make ``model.forward`` take the forward lock; returns the instance-level forward it replaced, if any.
+
+    The wrapper holds the model weakly (no reference cycle) and shows the original signature (generate
+    inspects it, e.g. for ``logits_to_keep``).
+    """
+    previous = model.__dict__.get("forward")
+    unbound = type(model).forward
+    model_ref = weakref.ref(model)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            if previous is not None:
+                return previous(*args, **kwargs)
+            return unbound(model_ref(), *args, **kwargs)
+
+    functools.update_wrapper(forward, unbound, updated=())
+    del forward.__wrapped__
+    forward.__signature__ = inspect.signature(previous if previous is not None else model.forward)
+    forward._hfpaged_forward = True
+    model.forward = forward
+    return previous
+
+
+def attach(model: PreTrainedModel, config: EngineConfig, tokenizer: Any = None) -> PatchState:
+    """Give every attention layer of ``model`` a paged KV cache in one shared pool; returns the state."""
+    check_model(model)
+    input_device = model.get_input_embeddings().weight.device
+    attn_configs = collect_configs(model)
+    lock = threading.RLock()
+    layers = discover_layers(model, attn_configs, input_device, lock)
+    model_len = max_model_len(model)
+    num_blocks = size_pool(model, config, layers, attn_configs, input_device, model_len, lock)
+    kv_caches = allocate_caches(layers, num_blocks, config.block_size)
+    swap = None
+    if config.preemption_mode == "swap":
+        num_cpu_blocks = swap_blocks(config.swap_space, num_blocks, sum(block_bytes(layers, config.block_size).values()))
+        swap = SwapSpace(num_cpu_blocks) if num_cpu_blocks > 0 else None
+    state = PatchState(
+        config=config,
+        layers=layers,
+        attn_configs=attn_configs,
+        input_device=input_device,
+        forward_lock=lock,
+        kv_caches=kv_caches,
+        num_blocks=num_blocks,
+        weights=WeightsVersion(model),
+        swap=swap,
+        tokenizer=tokenizer,
+        vocab_size=model.get_input_embeddings().weight.shape[0],
+        max_model_len=model_len,
+    )
+    for layer, caches in zip(layers, kv_caches):
+        layer.module._hfpaged_kv = caches
+    state.previous_forward = _wrap_forward(model, lock)
+    gib = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv_caches) / 2**30
+    logger.info(
+        "hfpaged: KV pool of %d blocks x %d tokens (%.2f GiB, %d tokens) over %d layers",
+        num_blocks, config.block_size, gib, num_blocks * config.block_size, len(layers),
+    )
+    model._hfpaged = state
+    return state
+
+
+def detach(model: PreTrainedModel) -> None:
+    """Undo ``attach``: layer bindings, the forward wrapper, the pool (its memory is released)."""
+    state = getattr(model, "_hfpaged", None)
+    if state is None:
+        return
+    with state.forward_lock:
+        for layer in state.layers:
+            layer.module.__dict__.pop("_hfpaged_kv", None)
+        if getattr(model.__dict__.get("forward"), "_hfpaged_forward", False):
+            del model.forward
+            if state.previous_forward is not None:
+                model.forward = state.previous_forward
+        del model._hfpaged
+    state.kv_caches = []
+    state.engine = None
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

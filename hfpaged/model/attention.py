@@ -1,0 +1,210 @@
+"""hfpaged's entry point in transformers' attention interface, and the per-step data it reads.
+
+During a paged forward the model's configs name ``"hfpaged"`` as their attention implementation (see
+``paged_forward``), so every attention layer calls ``paged_attention_forward``. The step's context reaches
+it as a forward keyword, ``hfpaged=PagedStep(...)`` (transformers passes extra forward kwargs down to the
+attention function): nothing is global, so two models in two threads are independent. The probe forward
+of ``patch`` passes ``hfpaged=Discovery()`` instead and records each layer's shapes.
+
+A paged forward holds the model's forward lock, which stock calls of the model take too (``patch`` wraps
+``model.forward``), so a stock ``forward``/``generate`` in another thread never sees the switched configs.
+Only a call that bypasses the model's own forward (a submodule called directly from another thread while a
+step runs) can arrive here without a context: it runs the model's original attention function, though
+without a mask (``"hfpaged"`` has no mask function, so that packed paged forwards build none): right for
+unpadded batches under sdpa-style attention, not for padded or eager ones.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from . import hf_compat
+
+ATTENTION_NAME = "hfpaged"
+
+
+class UnsupportedModelError(TypeError):
+    """The model's attention cannot be paged by hfpaged."""
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step tensors every layer reads (all on one device)."""
+
+    slot_mapping: torch.Tensor  # int32 [T]
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    seq_lens: torch.Tensor  # int32 [B]
+    cu_seqlens_q: torch.Tensor  # int32 [B + 1]
+    max_seqlen_q: int
+    max_seqlen_k: int
+    _by_device: dict = field(default_factory=dict)
+
+    def on(self, device: torch.device) -> "AttentionMetadata":
+        """This metadata on ``device`` (layers spread over several devices each read their own copy)."""
+        if self.slot_mapping.device == device:
+            return self
+        cached = self._by_device.get(device)
+        if cached is None:
+            cached = AttentionMetadata(
+                self.slot_mapping.to(device),
+                self.block_tables.to(device),
+                self.seq_lens.to(device),
+                self.cu_seqlens_q.to(device),
+                self.max_seqlen_q,
+                self.max_seqlen_k,
+            )
+            self._by_device[device] = cached
+        return cached
+
+
+@dataclass
+class LayerRecord:
+    """What discovery learned about one attention module."""
+
+    module: torch.nn.Module
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    dtype: torch.dtype
+    device: torch.device
+    sliding_window: int | None
+    softcap: float | None
+
+
+@dataclass
+class Discovery:
+    """The probe forward's context: every attention call is recorded (and answered with zeros)."""
+
+    records: list[LayerRecord] = field(default_factory=list)
+
+
+@dataclass
+class PagedStep:
+    """A paged forward's context: the step's metadata and the kernels to store and attend with."""
+
+    metadata: AttentionMetadata
+    store_fn: Callable[..., None]
+    attention_fn: Callable[..., torch.Tensor]
+
+
+# --- switching a model's attention for one forward ---------------------------------------------------
+
+_saved_implementations: dict[int, str | None] = {}  # config id -> its implementation while switched
+
+
+@contextmanager
+def paged_forward(configs: list, forward_lock: threading.RLock) -> Iterator[None]:
+    """Route the attention of the model owning ``configs`` to hfpaged for one forward on this thread.
+
+    Holds the model's forward lock throughout (stock forwards wait for it), and always switches back.
+    """
+    with forward_lock:
+        saved = [hf_compat.get_attn_implementation(cfg) for cfg in configs]
+        for cfg, value in zip(configs, saved):
+            _saved_implementations[id(cfg)] = value
+            hf_compat.set_attn_implementation(cfg, ATTENTION_NAME)
+        try:
+            yield
+        finally:
+            for cfg, value in zip(configs, saved):
+                hf_compat.set_attn_implementation(cfg, value)
+                _saved_implementations.pop(id(cfg), None)
+
+
+def _original_implementation(config: Any) -> str | None:
+    if id(config) not in _saved_implementations:
+        raise RuntimeError(
+            "the hfpaged attention implementation was called outside a paged forward; "
+            "hfpaged switches a model's attention only for the duration of its own steps"
+        )
+    return _saved_implementations[id(config)]
+
+
+# --- the attention function -----------------------------------------------------------------------------
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface entry: q/k/v ``[1, heads, T, D]`` packed -> ``[1, T, heads, D]``."""
+    context = kwargs.get("hfpaged")
+    if scaling is None:
+        scaling = 1.0 / math.sqrt(query.shape[-1])
+    if isinstance(context, PagedStep):
+        return _paged(context, module, query, key, value, scaling, sliding_window, softcap), None
+    if isinstance(context, Discovery):
+        return _discover(context, module, query, key, value, sliding_window, softcap), None
+    if "hfpaged_block_tables" in kwargs:  # compiled decode: the metadata came as forward kwargs
+        from .custom_ops import compiled_attention
+
+        return compiled_attention(module, query, key, value, scaling, sliding_window, softcap, kwargs), None
+    original = _original_implementation(module.config)
+    function = ALL_ATTENTION_FUNCTIONS.get_interface(original, hf_compat.module_eager_attention(module))
+    return function(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                    sliding_window=sliding_window, softcap=softcap, **kwargs)
+
+
+def _paged(context: PagedStep, module, query, key, value, scaling, sliding_window, softcap) -> torch.Tensor:
+    if query.shape[0] != 1:
+        raise ValueError(f"hfpaged expects a packed batch of shape [1, T], got batch size {query.shape[0]}")
+    k_cache, v_cache = module._hfpaged_kv
+    meta = context.metadata.on(query.device)
+    q = query[0].transpose(0, 1)
+    context.store_fn(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, meta.slot_mapping)
+    out = context.attention_fn(
+        q,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.cu_seqlens_q,
+        scale=scaling,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        max_seqlen_q=meta.max_seqlen_q,
+        max_seqlen_k=meta.max_seqlen_k,
+    )
+    return out.unsqueeze(0)
+
+
+def _discover(context: Discovery, module, query, key, value, sliding_window, softcap) -> torch.Tensor:
+    if any(record.module is module for record in context.records):
+        raise UnsupportedModelError(
+            f"attention module {type(module).__name__} ran twice in one forward; "
+            "hfpaged needs one KV cache per attention call"
+        )
+    context.records.append(
+        LayerRecord(
+            module=module,
+            num_heads=query.shape[1],
+            num_kv_heads=key.shape[1],
+            head_dim=key.shape[-1],
+            head_dim_v=value.shape[-1],
+            dtype=key.dtype,
+            device=key.device,
+            sliding_window=sliding_window,
+            softcap=softcap,
+        )
+    )
+    batch, num_heads, seq_len, _ = query.shape
+    return query.new_zeros(batch, seq_len, num_heads, value.shape[-1])
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

@@ -1,0 +1,138 @@
+"""Every use of private transformers API, in one place: a transformers upgrade that moves one of these
+touches this file only.
+
+Checked against transformers 5.17 and 5.23. What we use, and why:
+- ``GenerationMixin._prepare_generation_config`` / ``_prepare_special_tokens`` / ``_prepare_generated_length``
+  / ``_get_logits_processor`` / ``_merge_criteria_processor_list``: resolve settings, lengths, processors and
+  stopping criteria exactly as ``generate`` does (defaults and precedence cannot drift);
+- ``GenerationConfig._eos_token_tensor`` / ``_pad_token_tensor``: the special tokens those helpers resolved;
+- the beam-search steps of ``GenerationMixin._beam_search`` (``_get_top_k_continuations`` and friends): so
+  beam search is transformers' round for round;
+- ``PretrainedConfig._attn_implementation_internal``: switched to hfpaged's attention during a paged forward
+  and back, without the public setter's recursion into sub-configs (we switch each config ourselves).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import torch
+from transformers import GenerationConfig, PretrainedConfig
+from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+# --- generation settings -------------------------------------------------------------------------------
+
+
+def prepare_generation_config(
+    model: Any, generation_config: GenerationConfig | None, kwargs: dict[str, Any]
+) -> tuple[GenerationConfig, dict[str, Any]]:
+    """``generation_config``/``kwargs`` merged over the model's defaults; also the kwargs it did not use."""
+    return model._prepare_generation_config(generation_config, **kwargs)
+
+
+def prepare_special_tokens(model: Any, config: GenerationConfig) -> None:
+    """Resolve eos/pad/bos into the config's token tensors (for a batch of one, on the CPU)."""
+    model._prepare_special_tokens(config, kwargs_has_attention_mask=False, device="cpu", batch_size=1)
+
+
+def prepare_generated_length(
+    model: Any, config: GenerationConfig, has_default_max_length: bool, has_default_min_length: bool, prompt_len: int
+) -> GenerationConfig:
+    """``max_length``/``min_length`` for a prompt of ``prompt_len`` tokens, as ``generate`` sets them."""
+    return model._prepare_generated_length(
+        generation_config=config,
+        has_default_max_length=has_default_max_length,
+        has_default_min_length=has_default_min_length,
+        model_input_name="input_ids",
+        input_ids_length=prompt_len,
+        inputs_tensor=None,
+    )
+
+
+def validate_generated_length(model: Any, config: GenerationConfig, prompt_len: int, has_default_max_length: bool) -> None:
+    """``generate``'s length checks and warnings (e.g. ``min_new_tokens`` beyond ``max_length``)."""
+    model._validate_generated_length(config, prompt_len, has_default_max_length)
+
+
+def logits_processors(
+    model: Any,
+    config: GenerationConfig,
+    prompt_ids: torch.Tensor,
+    prefix_allowed_tokens_fn: Callable | None,
+    user_processors: LogitsProcessorList,
+    device: torch.device | str,
+) -> LogitsProcessorList:
+    """The processors ``generate`` builds for one prompt (``prompt_ids``: ``[1, prompt_len]``)."""
+    return model._get_logits_processor(
+        generation_config=config,
+        input_ids_seq_length=prompt_ids.shape[-1],
+        encoder_input_ids=prompt_ids,
+        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+        logits_processor=user_processors,
+        device=device,
+        model_kwargs={},
+    )
+
+
+def merge_stopping_criteria(model: Any, defaults: StoppingCriteriaList, user: list) -> StoppingCriteriaList:
+    """``generate``'s merge: a criterion the user passes replaces the built-in one of its type."""
+    return model._merge_criteria_processor_list(defaults, user)
+
+
+def eos_token_tensor(config: GenerationConfig) -> torch.Tensor | None:
+    return config._eos_token_tensor
+
+
+def pad_token_tensor(config: GenerationConfig) -> torch.Tensor | None:
+    return config._pad_token_tensor
+
+
+# --- beam search -----------------------------------------------------------------------------------------
+
+
+class BeamSearchSteps:
+    """transformers' beam-search steps (``GenerationMixin._beam_search`` internals) of one model, batch size 1."""
+
+    def __init__(self, model: Any):
+        self.model = model
+
+    def flatten(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.model._flatten_beam_dim(tensor)
+
+    def unflatten(self, tensor: torch.Tensor, num_beams: int) -> torch.Tensor:
+        return self.model._unflatten_beam_dim(tensor, 1, num_beams)
+
+    def top_k_continuations(self, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # vocab_size: transformers <= 5.17 takes it; later versions read it from the scores (and ignore it)
+        return self.model._get_top_k_continuations(batch_size=1, **kwargs)
+
+    def running_beams_for_next_iteration(self, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.model._get_running_beams_for_next_iteration(**kwargs)
+
+    def update_finished_beams(self, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        return self.model._update_finished_beams(**kwargs)
+
+    def check_early_stop_heuristic(self, **kwargs: Any) -> torch.Tensor:
+        return self.model._check_early_stop_heuristic(**kwargs)
+
+    def has_unfinished_sequences(self, *args: Any) -> torch.Tensor:
+        return self.model._beam_search_has_unfinished_sequences(*args)
+
+
+# --- attention implementation ----------------------------------------------------------------------------
+
+
+def get_attn_implementation(config: PretrainedConfig) -> str | None:
+    return config._attn_implementation_internal
+
+
+def set_attn_implementation(config: PretrainedConfig, value: str | None) -> None:
+    """Set one config's attention implementation (not its sub-configs: callers switch each one)."""
+    config._attn_implementation_internal = value
+
+
+def module_eager_attention(module: torch.nn.Module) -> Callable | None:
+    """The ``eager_attention_forward`` of the modeling file that defines ``module`` (what ``eager`` runs)."""
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)

@@ -1,0 +1,165 @@
+"""Finding a model's attention layers, sizing the shared block pool, and allocating every layer's K/V.
+
+Discovery runs one tiny packed forward with ``hfpaged=Discovery()``: every layer whose attention goes
+through transformers' ``AttentionInterface`` reports its heads, head dims, dtype, device, sliding window and
+softcap. The pool is sized from ``num_blocks``, or from free GPU memory after a profiling forward at
+``max_num_batched_tokens`` (``gpu_memory_utilization`` of the card), or ``cpu_kv_cache_gib`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+
+from ..core.block_pool import cdiv
+from ..core.config import EngineConfig
+from .attention import Discovery, LayerRecord, UnsupportedModelError, paged_forward
+
+CUDA_HEADROOM_BYTES = 512 << 20  # CUDA graphs, sampling buffers, allocator slack
+
+
+def collect_configs(model: torch.nn.Module) -> list[PretrainedConfig]:
+    """Every config object a module of the model reads ``_attn_implementation`` from."""
+    found: dict[int, PretrainedConfig] = {}
+
+    def visit(cfg: PretrainedConfig) -> None:
+        if id(cfg) in found:
+            return
+        found[id(cfg)] = cfg
+        for key in getattr(cfg, "sub_configs", {}) or {}:
+            sub = getattr(cfg, key, None)
+            if isinstance(sub, PretrainedConfig):
+                visit(sub)
+
+    for module in model.modules():
+        cfg = getattr(module, "config", None)
+        if isinstance(cfg, PretrainedConfig):
+            visit(cfg)
+    return list(found.values())
+
+
+def check_model(model: Any) -> None:
+    """Raise TypeError/ValueError (naming the class) for a model hfpaged cannot serve."""
+    name = type(model).__name__
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"hfpaged.patch expects a transformers PreTrainedModel, got {name}")
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder model; hfpaged supports decoder-only causal LMs")
+    if not (hasattr(model, "generate") and model.can_generate()):
+        raise TypeError(f"{name} cannot generate (not a causal LM with a language-modeling head)")
+    if model.get_output_embeddings() is None:
+        raise TypeError(f"{name} has no output embeddings (language-modeling head); load it with AutoModelForCausalLM")
+
+
+def discover_layers(
+    model: torch.nn.Module, configs: list[PretrainedConfig], device: torch.device, lock: threading.RLock
+) -> list[LayerRecord]:
+    """Run a 2-token forward with a recording attention function to find every attention layer."""
+    context = Discovery()
+    input_ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    position_ids = torch.arange(2, device=device)[None]
+    name = type(model).__name__
+    try:
+        with torch.inference_mode(), paged_forward(configs, lock):
+            model(input_ids=input_ids, position_ids=position_ids, use_cache=False, hfpaged=context)
+    except UnsupportedModelError:
+        raise
+    except Exception as exc:  # the model rejected the packed call: not usable with hfpaged
+        raise UnsupportedModelError(
+            f"{name} failed a packed forward through the hfpaged attention implementation "
+            f"({type(exc).__name__}: {exc}); its attention is not reachable through transformers' AttentionInterface"
+        ) from exc
+    if not context.records:
+        raise UnsupportedModelError(
+            f"{name} does not route attention through transformers' AttentionInterface "
+            "(config._attn_implementation is ignored by its attention code), so hfpaged cannot page its KV cache. "
+            "Falcon, GPT-J and Bloom are known to be unsupported."
+        )
+    return context.records
+
+
+def max_model_len(model: PreTrainedModel) -> int | None:
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    value = getattr(text_config, "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+def block_bytes(layers: list[LayerRecord], block_size: int) -> dict[torch.device, int]:
+    """Bytes one block takes on each device (K and V of every layer there)."""
+    per_device: dict[torch.device, int] = {}
+    for layer in layers:
+        elem = torch.empty((), dtype=layer.dtype).element_size()
+        size = block_size * layer.num_kv_heads * (layer.head_dim + layer.head_dim_v) * elem
+        per_device[layer.device] = per_device.get(layer.device, 0) + size
+    return per_device
+
+
+def size_pool(
+    model: torch.nn.Module,
+    config: EngineConfig,
+    layers: list[LayerRecord],
+    configs: list[PretrainedConfig],
+    input_device: torch.device,
+    model_len: int | None,
+    lock: threading.RLock,
+) -> int:
+    """The number of blocks: ``config.num_blocks``, or what fits the memory budget (never more than
+    ``max_num_seqs`` sequences of the model's full length)."""
+    if config.num_blocks is not None:
+        return config.num_blocks
+    per_device = block_bytes(layers, config.block_size)
+    upper = config.max_num_seqs * cdiv(model_len or 4096, config.block_size)
+    if not all(layer.device.type == "cuda" for layer in layers):
+        budget = int(config.cpu_kv_cache_gib * (1 << 30))
+        return max(1, min(upper, budget // sum(per_device.values())))
+    return _size_pool_cuda(model, config, configs, input_device, model_len, per_device, upper, lock)
+
+
+def _size_pool_cuda(model, config, configs, input_device, model_len, per_device, upper, lock) -> int:
+    """Profile one forward at max_num_batched_tokens, give gpu_memory_utilization of memory to the pool."""
+    devices = sorted(per_device, key=str)
+    for dev in devices:
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+    num_tokens = config.max_num_batched_tokens
+    seq_len = min(num_tokens, model_len or num_tokens)
+    positions = torch.arange(num_tokens, device=input_device) % seq_len
+    input_ids = torch.zeros(1, num_tokens, dtype=torch.long, device=input_device)
+    num_logits = min(config.max_num_seqs, num_tokens)
+    kwargs = {}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kwargs["logits_to_keep"] = torch.arange(num_tokens - num_logits, num_tokens, device=input_device)
+    with torch.inference_mode(), paged_forward(configs, lock):
+        model(input_ids=input_ids, position_ids=positions[None], use_cache=False, hfpaged=Discovery(), **kwargs)
+    num_blocks = upper
+    for dev in devices:
+        torch.cuda.synchronize(dev)
+        free, total = torch.cuda.mem_get_info(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
+        reserved = torch.cuda.memory_reserved(dev)
+        non_torch = total - free - reserved
+        budget = int(total * config.gpu_memory_utilization) - non_torch - peak - CUDA_HEADROOM_BYTES
+        if budget <= 0:
+            raise RuntimeError(
+                f"no memory left for the KV cache on {dev}: {total / 2**30:.1f} GiB total, "
+                f"{peak / 2**30:.1f} GiB peak for the model, gpu_memory_utilization={config.gpu_memory_utilization}; "
+                "raise gpu_memory_utilization or lower max_num_batched_tokens"
+            )
+        num_blocks = min(num_blocks, budget // per_device[dev])
+    return max(1, int(num_blocks))
+
+
+def allocate_caches(layers: list[LayerRecord], num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One ``[num_blocks, block_size, num_kv_heads, head_dim]`` K and V tensor per layer, on the layer's device."""
+    return [
+        (
+            torch.zeros(num_blocks, block_size, layer.num_kv_heads, layer.head_dim, dtype=layer.dtype, device=layer.device),
+            torch.zeros(num_blocks, block_size, layer.num_kv_heads, layer.head_dim_v, dtype=layer.dtype, device=layer.device),
+        )
+        for layer in layers
+    ]

@@ -1,0 +1,228 @@
+"""The device side of a step: ``ModelRunner.execute(scheduler_output) -> StepResult``.
+
+It updates the persistent batch from the scheduler's diffs, performs the block copies (swap, copy-on-write),
+packs the step (its inputs cross to the device in ONE copy), runs one packed forward of the unmodified model
+with paged attention - a captured CUDA graph for decode-only steps on CUDA, the eager forward otherwise -
+and samples (processors, forked samples, beam rows included). Nothing in it waits for the device: the
+``StepResult`` holds the tokens on the device at once (the next step reads a pending token there) and on the
+host once its copy has landed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ..core.block_pool import cdiv
+from ..core.scheduler_output import SchedulerOutput
+from ..sampling.sampler import Sampler, StepResult
+from .attention import PagedStep, paged_forward
+from .cuda_graphs import DecodeGraphs
+from .input_batch import DeviceStep, HostStep, InputBatch, device_views, padded_width, region_slices
+
+if TYPE_CHECKING:
+    from .attach import PatchState
+
+
+class ModelRunner:
+    """Persistent batch, packed forward (graphs where it can) and sampling, for one patched model."""
+
+    def __init__(self, model: torch.nn.Module, state: "PatchState"):
+        self._model = weakref.ref(model)  # the model owns the state that owns this runner: no cycle
+        self.state = state
+        self.config = state.config
+        self.device = state.input_device
+        self.block_size = state.config.block_size
+        self.supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.store_fn, self.attention_fn = state.attention_functions()
+        self.single_device = all(layer.device == self.device for layer in state.layers)
+        self.use_graphs = (
+            self.device.type == "cuda"
+            and self.single_device
+            and state.use_triton
+            and not state.config.enforce_eager
+            and self.supports_logits_to_keep
+        )
+        max_len = state.max_model_len or state.num_blocks * self.block_size
+        self.graph_width = padded_width(min(cdiv(max_len, self.block_size), state.num_blocks))
+        self.batch = InputBatch(self.block_size, self.graph_width)
+        self.sampler = Sampler()
+        self.previous: StepResult | None = None  # the last step launched
+        self.graphs: DecodeGraphs | None = None
+        self._compiled = None
+        self._warmed = False
+        self.num_graph_steps = 0
+        self.num_eager_steps = 0
+
+    @property
+    def model(self) -> torch.nn.Module:
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the model of this hfpaged runner no longer exists")
+        return model
+
+    def reset(self) -> None:
+        """Forget every request (after a failed step: the scheduler re-sends what it still runs)."""
+        for state in self.batch.states.values():
+            if state.beam_search is not None:
+                state.beam_search.forget_rows()
+        self.batch.reset()
+        self.previous = None
+
+    def drop_graphs(self) -> None:
+        """Forget captured graphs and compiled code (they baked in the old weights' addresses)."""
+        self.graphs = None
+        self._compiled = None
+
+    # --- one step -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult | None:
+        """Launch one step; None when nothing is scheduled (the batch is still brought up to date)."""
+        self.batch.update(out)
+        if out.is_empty:
+            return None
+        if not self._warmed:
+            self.warmup()
+        if out.swap_out or out.swap_in:
+            self._swap(out)
+        if out.block_copies:
+            self._copy_blocks(out.block_copies)
+        logits, host = self._forward_step(out)
+        if self.previous is not None and any(s.params.stages_read_history or s.num_forks for s in host.sample_states):
+            self.previous.result()  # this step's processors (or forks) read every earlier token
+        self.previous = self.sampler.sample(logits, host.sample_states, host.sample_positions)
+        return self.previous
+
+    def _forward_step(self, out: SchedulerOutput) -> tuple[torch.Tensor, HostStep]:
+        bucket = self._graph_bucket(out)
+        if bucket is not None:
+            host = self.batch.pack(out.scheduled, self.previous, pad_to=bucket, width=self.graph_width)
+            self.graphs.load(self._stage(host.packed), bucket, host.width)
+            self._fill_pending(self.graphs.input_ids(bucket), host.pending)
+            self.num_graph_steps += 1
+            return self.graphs.replay(bucket, host.num_sampled), host
+        host = self.batch.pack(out.scheduled, self.previous)
+        buffer = self._stage(host.packed).to(self.device, non_blocking=True)
+        self._fill_pending(buffer[region_slices(host.num_tokens, host.num_reqs)["input_ids"]], host.pending)
+        step = device_views(buffer, host)
+        keep = None
+        if not self.single_device and self.supports_logits_to_keep:
+            # Layers on several devices: the model indexes its last hidden states (on whichever device the
+            # final norm ran) with logits_to_keep. accelerate's hooks move tensor arguments to the first
+            # device, so the indices go as a list of ints, which indexes a tensor on any device.
+            keep = step.logits_indices.tolist()
+        self.num_eager_steps += 1
+        return self.forward(step, logits_indices=keep), host
+
+    # --- host -> device ---------------------------------------------------------------------------
+
+    def _stage(self, array: np.ndarray) -> torch.Tensor:
+        """``array`` as a CPU tensor the device can copy from asynchronously (pinned, on CUDA).
+
+        Each step stages into its own pinned block from torch's caching host allocator, which does not hand
+        a block out again until the copies reading it have run: a step may be prepared while the one before
+        is still in flight.
+        """
+        host = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return host
+        staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+        staged.copy_(host)
+        return staged
+
+    def _fill_pending(self, input_ids: torch.Tensor, pending: np.ndarray | None) -> None:
+        """Write the tokens the previous step sampled (still on the device) into this step's int32 input ids."""
+        if pending is None:
+            return
+        index = self._stage(pending).to(input_ids.device, non_blocking=True)
+        values = self.previous.tokens.to(input_ids.device, non_blocking=True).index_select(0, index[1])
+        input_ids.index_copy_(0, index[0], values.to(input_ids.dtype))
+
+    # --- forward ----------------------------------------------------------------------------------
+
+    def forward(self, step: DeviceStep, logits_indices: torch.Tensor | list[int] | int | None = None) -> torch.Tensor:
+        """The unmodified model over a packed step with paged attention; logits ``[n, vocab]``."""
+        context = PagedStep(step.metadata, self.store_fn, self.attention_fn)
+        keep = step.logits_indices if logits_indices is None else logits_indices
+        kwargs = {"logits_to_keep": keep} if self.supports_logits_to_keep else {}
+        model = self.model
+        with paged_forward(self.state.attn_configs, self.state.forward_lock):
+            output = model(input_ids=step.input_ids, position_ids=step.position_ids, use_cache=False, hfpaged=context,
+                           **kwargs)
+        logits = output.logits[0]
+        if not self.supports_logits_to_keep:
+            logits = logits.index_select(0, keep.to(logits.device)) if isinstance(keep, torch.Tensor) else logits
+        return logits
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Compile the Triton kernel variants a run will meet up front (see ``kernels/warmup.py``)."""
+        self._warmed = True
+        if not self.state.use_triton or self.device.type != "cuda":
+            return
+        from ..kernels.warmup import warm_up
+
+        seen = set()
+        for layer, (k_cache, v_cache) in zip(self.state.layers, self.state.kv_caches):
+            key = (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.head_dim_v, layer.dtype,
+                   layer.sliding_window, layer.softcap)
+            if key in seen:
+                continue
+            seen.add(key)
+            warm_up(k_cache, v_cache, num_heads=layer.num_heads, sliding_window=layer.sliding_window,
+                    softcap=layer.softcap, max_num_seqs=self.config.max_num_seqs,
+                    max_num_batched_tokens=self.config.max_num_batched_tokens, column_multiple=padded_width(1))
+        torch.cuda.synchronize(self.device)
+
+    def _graph_forward(self, step: DeviceStep) -> torch.Tensor:
+        if not self.config.compile:
+            return self.forward(step, logits_indices=0)  # every token of a decode batch is sampled
+        if self._compiled is None:
+            from .custom_ops import compile_decode_forward
+
+            self._compiled = compile_decode_forward(self.graph_width * self.block_size)
+        meta = step.metadata  # reaches the attention as forward kwargs: no step context needed
+        with paged_forward(self.state.attn_configs, self.state.forward_lock):
+            return self._compiled(self.model, step.input_ids, step.position_ids, meta.slot_mapping, meta.block_tables,
+                                  meta.seq_lens, meta.cu_seqlens_q)
+
+    def capture_graphs(self) -> None:
+        """Capture the decode CUDA graphs now (otherwise done at the first decode step)."""
+        if self.use_graphs and self.graphs is None:
+            graphs = DecodeGraphs(self._graph_forward, self.device, self.config.max_num_seqs, self.graph_width,
+                                  self.graph_width * self.block_size)
+            graphs.capture()
+            self.graphs = graphs
+
+    def _graph_bucket(self, out: SchedulerOutput) -> int | None:
+        if not self.use_graphs:
+            return None
+        if not all(s.num_tokens == 1 and s.samples for s in out.scheduled):
+            return None
+        if self.batch.max_blocks(out.scheduled) > self.graph_width:
+            return None
+        self.capture_graphs()
+        return self.graphs.bucket_for(len(out.scheduled))
+
+    # --- block copies -----------------------------------------------------------------------------
+
+    def _swap(self, out: SchedulerOutput) -> None:
+        """Block copies the scheduler asked for, before the forward can overwrite freed GPU blocks."""
+        swap = self.state.swap
+        for gpu_ids, cpu_ids in out.swap_out:
+            swap.copy_out(self.state.kv_caches, gpu_ids, cpu_ids)
+        for cpu_ids, gpu_ids in out.swap_in:
+            swap.copy_in(self.state.kv_caches, cpu_ids, gpu_ids)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate shared blocks (every layer's K and V) before this step writes them."""
+        for k, v in self.state.kv_caches:
+            src = torch.tensor([c[0] for c in copies], device=k.device)
+            dst = torch.tensor([c[1] for c in copies], device=k.device)
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))

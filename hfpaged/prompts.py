@@ -1,0 +1,334 @@
+"""From a caller's prompts and settings to validated ``Request``s (nothing is queued here).
+
+A prompt is a string, token ids (a list, or a 1-D integer tensor or numpy array), or a dict
+``{"prompt": ..., "generation_config": GenerationConfig, **settings}``; a 2-D integer tensor or array is a
+batch of prompts, one per row (padding needs ``attention_mask=``, as in ``generate``).
+``generation_config=`` may also be a list with one config (or None) per prompt. A prompt's config replaces
+the call's; its settings are merged key by key over the call's keyword arguments, which in turn override
+fields of the config (as in ``generate``). So to vary a setting per prompt, give it in the prompt dicts, not
+in the call. Settings that are not GenerationConfig fields are ``CallOptions``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+
+from .core.block_pool import cdiv
+from .core.request import Request, RequestGroup
+from .model import hf_compat
+from .sampling.beam_search import BeamSearch
+from .sampling.params import CallOptions, ResolvedConfig, make_request_params, resolve_generation_config
+
+if TYPE_CHECKING:
+    from .model.attach import PatchState
+
+# ``generate`` arguments (not GenerationConfig fields) hfpaged does not implement.
+_UNSUPPORTED_ARGUMENTS = {
+    "assistant_model": "assisted (speculative) decoding",
+    "assistant_tokenizer": "assisted (speculative) decoding",
+    "negative_prompt_ids": "classifier-free guidance",
+    "negative_prompt_attention_mask": "classifier-free guidance",
+    "custom_generate": "custom decoding loops",
+    "synced_gpus": "synced multi-GPU generation",
+    "attention_mask": "it marks padding of a 2-D batch of prompt rows; give prompts unpadded otherwise",
+    "inputs_embeds": "prompts must be token ids or strings",
+    "past_key_values": "the paged KV cache is managed by hfpaged",
+    "input_ids": "pass the prompts as the first argument",
+    "inputs": "pass the prompts as the first argument",
+}
+
+CALL_OPTION_NAMES = frozenset(f.name for f in fields(CallOptions))
+
+
+def split_call_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(generate kwargs, CallOptions kwargs)``; raises for ``generate`` arguments hfpaged does not support."""
+    for name, what in _UNSUPPORTED_ARGUMENTS.items():
+        value = kwargs.get(name)
+        if value is not None and value is not False:
+            raise ValueError(f"generate_many does not support {name}= ({what})")
+    generate_kwargs = {k: v for k, v in kwargs.items() if k not in CALL_OPTION_NAMES and k not in _UNSUPPORTED_ARGUMENTS}
+    options = {k: v for k, v in kwargs.items() if k in CALL_OPTION_NAMES}
+    return generate_kwargs, options
+
+
+# --- the prompt list ---------------------------------------------------------------------------------
+
+
+def _is_int_array(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return not value.is_floating_point() and not value.is_complex() and value.dtype is not torch.bool
+    return isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.integer)
+
+
+def prompt_list(prompts: Any, kwargs: dict[str, Any], pad_token_id: int | None) -> list[Any]:
+    """``prompts`` as a list of single prompts. A 2-D integer tensor/array is a batch of rows: an
+    ``attention_mask`` in ``kwargs`` (popped) strips their padding; without one, a row holding the pad token
+    is refused (it would be read as part of the prompt)."""
+    if isinstance(prompts, (torch.Tensor, np.ndarray)):
+        if not _is_int_array(prompts):
+            raise TypeError(f"prompts is a {type(prompts).__name__} of dtype {prompts.dtype}; token ids must be integers")
+        if prompts.ndim == 1:
+            raise ValueError("prompts must be a list of prompts (strings, token-id lists or dicts), not a single prompt")
+        if prompts.ndim != 2:
+            raise ValueError(
+                f"prompts is a {prompts.ndim}-D {type(prompts).__name__} of shape {tuple(prompts.shape)}; give a list of "
+                "prompts, or a 2-D [batch, length] tensor of token ids (one prompt per row)"
+            )
+        rows = torch.as_tensor(prompts).cpu().tolist()
+        mask = kwargs.pop("attention_mask", None)
+        if mask is not None:
+            mask = torch.as_tensor(mask).cpu()
+            if tuple(mask.shape) != tuple(prompts.shape):
+                raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but prompts has {tuple(prompts.shape)}")
+            return [[t for t, keep in zip(row, keep_row) if keep] for row, keep_row in zip(rows, mask.tolist())]
+        if pad_token_id is not None:
+            padded = [i for i, row in enumerate(rows) if pad_token_id in row]
+            if padded:
+                raise ValueError(
+                    f"prompt rows {padded} contain the pad token id {pad_token_id}; pass attention_mask= to mark "
+                    "padding (as generate needs), or give the prompts as a list of unpadded token-id lists"
+                )
+        return rows
+    if isinstance(prompts, (str, dict)):
+        raise ValueError("prompts must be a list of prompts (strings, token-id lists or dicts), not a single prompt")
+    if not isinstance(prompts, (list, tuple)) and not hasattr(prompts, "__iter__"):
+        raise TypeError(
+            "prompts must be a list of prompts (strings, token-id lists or dicts) or a 2-D tensor of token ids, "
+            f"got {type(prompts).__name__}"
+        )
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], (int, np.integer)) and not isinstance(prompts[0], bool):
+        raise ValueError("prompts must be a list of prompts (strings, token-id lists or dicts), not a single prompt")
+    return prompts
+
+
+def to_token_ids(prompt: Any, index: int | None, tokenizer: Any) -> list[int]:
+    """One prompt as a list of token ids (a string goes through the tokenizer)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(
+                f"prompt {index} is a string but no tokenizer is known; pass tokenizer= to generate_many or patch, "
+                "or give token-id lists"
+            )
+        return list(tokenizer(prompt)["input_ids"])
+    if isinstance(prompt, (torch.Tensor, np.ndarray)):
+        if not _is_int_array(prompt):
+            raise TypeError(f"prompt {index} is a {type(prompt).__name__} of dtype {prompt.dtype}; token ids must be integers")
+        if prompt.ndim == 2 and prompt.shape[0] == 1:
+            prompt = prompt[0]
+        if prompt.ndim != 1:
+            raise ValueError(
+                f"prompt {index} has shape {tuple(prompt.shape)}; a prompt is 1-D token ids (pass a 2-D tensor as the "
+                "prompts argument itself for a batch of rows)"
+            )
+        return [int(t) for t in prompt.tolist()]
+    if isinstance(prompt, (list, tuple)):
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+            raise ValueError(f"prompt {index} must be a string or a list of int token ids")
+        return [int(t) for t in prompt]
+    raise TypeError(f"prompt {index} has unsupported type {type(prompt).__name__}; give a string or token ids")
+
+
+@dataclass
+class PromptSpec:
+    """One prompt with the settings that apply to it."""
+
+    prompt: Any
+    generation_config: GenerationConfig | None
+    generate_kwargs: dict[str, Any]
+    options: CallOptions
+    has_own_settings: bool = False  # its generate kwargs differ from the call's
+
+
+def expand_prompts(
+    prompts: list[Any],
+    generation_config: GenerationConfig | list[GenerationConfig | None] | None,
+    kwargs: dict[str, Any],
+) -> list[PromptSpec]:
+    """Pair every prompt with its config, generate kwargs and options (see the module docstring)."""
+    if isinstance(generation_config, (list, tuple)):
+        if len(generation_config) != len(prompts):
+            raise ValueError(
+                f"generation_config is a list of {len(generation_config)} configs for {len(prompts)} prompts"
+            )
+        configs = list(generation_config)
+    else:
+        configs = [generation_config] * len(prompts)
+    call_kwargs, call_options = split_call_options(kwargs)
+    base_seed = call_options.get("seed")
+    specs = []
+    for index, (prompt, config) in enumerate(zip(prompts, configs)):
+        own_kwargs: dict[str, Any] = {}
+        own_options: dict[str, Any] = {}
+        if isinstance(prompt, dict):
+            entry = dict(prompt)
+            if "prompt" not in entry:
+                raise ValueError(f"prompt {index} is a dict without a 'prompt' key")
+            prompt = entry.pop("prompt")
+            config = entry.pop("generation_config", config)
+            own_kwargs, own_options = split_call_options(entry)
+        options = {**call_options, **own_options}
+        if "seed" not in own_options and base_seed is not None:
+            options["seed"] = (base_seed + index) % 2**62
+        specs.append(
+            PromptSpec(
+                prompt=prompt,
+                generation_config=config,
+                generate_kwargs={**call_kwargs, **own_kwargs},
+                options=CallOptions(**options),
+                has_own_settings=bool(own_kwargs),
+            )
+        )
+    return specs
+
+
+# --- requests ------------------------------------------------------------------------------------------
+
+
+class PromptMaker:
+    """Tokenizes, resolves and validates prompts into requests for one patched model."""
+
+    def __init__(self, model: PreTrainedModel, state: "PatchState"):
+        self._model = weakref.ref(model)
+        self.state = state
+        self.stop_string_cache: dict = {}  # StopStringCriteria shared by requests with the same stop strings
+        self._ids = itertools.count()
+
+    @property
+    def model(self) -> PreTrainedModel:
+        return self._model()
+
+    def make_many(
+        self,
+        prompts: list[Any],
+        generation_config: GenerationConfig | list[GenerationConfig | None] | None,
+        kwargs: dict[str, Any],
+        tokenizer: Any,
+    ) -> list[Request]:
+        """One request per prompt with its own settings."""
+        specs = expand_prompts(prompts, generation_config, kwargs)
+        resolved_by_config: dict[int, ResolvedConfig] = {}
+        requests, longest = [], {}
+        for index, spec in enumerate(specs):
+            if spec.has_own_settings:
+                resolved = resolve_generation_config(self.model, spec.generation_config, dict(spec.generate_kwargs))
+                key = ("own", index)
+            else:  # resolve once per distinct config among prompts that only use the call's arguments
+                key = id(spec.generation_config)
+                if key not in resolved_by_config:
+                    resolved_by_config[key] = resolve_generation_config(
+                        self.model, spec.generation_config, dict(spec.generate_kwargs)
+                    )
+                resolved = resolved_by_config[key]
+            request = self.make(spec.prompt, resolved, spec.options, tokenizer, index=index)
+            requests.append(request)
+            if key not in longest or request.num_prompt_tokens > longest[key][0].num_prompt_tokens:
+                longest[key] = (request, resolved)
+        # generate's length warnings (e.g. min_new_tokens beyond max_length) once per call and setting, as
+        # generate gives them once per call: for the longest prompt, the one they concern most
+        for request, resolved in longest.values():
+            _warn_about_lengths(self.model, request, resolved)
+        return requests
+
+    def make_one(
+        self,
+        prompt: Any,
+        generation_config: GenerationConfig | None,
+        kwargs: dict[str, Any],
+        tokenizer: Any,
+        request_id: str | None = None,
+    ) -> Request:
+        """The request of one prompt submitted on its own (``Engine.add_request``)."""
+        generate_kwargs, options = split_call_options(kwargs)
+        resolved = resolve_generation_config(self.model, generation_config, generate_kwargs)
+        request = self.make(prompt, resolved, CallOptions(**options), tokenizer, index=None, request_id=request_id)
+        _warn_about_lengths(self.model, request, resolved)
+        return request
+
+    def make(
+        self,
+        prompt: Any,
+        resolved: ResolvedConfig,
+        options: CallOptions,
+        tokenizer: Any,
+        *,
+        index: int | None,
+        request_id: str | None = None,
+    ) -> Request:
+        """Tokenize, resolve and validate one prompt."""
+        state = self.state
+        tokenizer = tokenizer if tokenizer is not None else state.tokenizer
+        token_ids = to_token_ids(prompt, index, tokenizer)
+        self._validate_tokens(token_ids, index)
+        seed = options.seed if options.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        params = make_request_params(
+            self.model,
+            resolved,
+            token_ids,
+            options,
+            seed=seed,
+            index=index,
+            vocab_size=state.vocab_size,
+            tokenizer=tokenizer,
+            stop_string_cache=self.stop_string_cache,
+            device=state.input_device,
+        )
+        self._validate_size(params.max_length, index, params.num_beams)
+        num_sequences = max(params.num_beams, params.num_return_sequences)
+        if num_sequences > state.config.max_num_seqs:
+            raise ValueError(
+                f"prompt {index} runs {num_sequences} sequences at once (num_beams / num_return_sequences) but "
+                f"max_num_seqs is {state.config.max_num_seqs}"
+            )
+        request = Request(request_id if request_id is not None else f"req-{next(self._ids)}", token_ids, params,
+                          index=index)
+        if params.num_beams > 1:
+            RequestGroup(request, params.num_beams,
+                         BeamSearch(self.model, request.request_id, params, token_ids, state.input_device))
+        elif params.num_return_sequences > 1:
+            RequestGroup(request, params.num_return_sequences)
+        return request
+
+    def _validate_tokens(self, token_ids: list[int], index: int | None) -> None:
+        state = self.state
+        if not token_ids:
+            raise ValueError(f"prompt {index} is empty")
+        bad = next((t for t in token_ids if t < 0 or t >= state.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt {index} has token id {bad} outside the vocabulary [0, {state.vocab_size})")
+        if state.max_model_len is not None and len(token_ids) > state.max_model_len:
+            raise ValueError(
+                f"prompt {index} has {len(token_ids)} tokens, more than the model's maximum of "
+                f"{state.max_model_len} positions"
+            )
+
+    def _validate_size(self, max_length: int, index: int | None, num_beams: int) -> None:
+        """Raise ValueError (naming the prompt and the numbers) for a request that can never fit the pool."""
+        block_size, num_blocks = self.state.config.block_size, self.state.num_blocks
+        # The last generated token never enters the cache: a request holds at most max_length - 1 slots.
+        max_slots = max_length - 1
+        blocks = cdiv(max_slots, block_size)
+        if blocks > num_blocks:
+            raise ValueError(
+                f"prompt {index} needs up to {max_slots} KV slots ({blocks} blocks of {block_size}) "
+                f"but the pool holds only {num_blocks} blocks; raise num_blocks or lower max_new_tokens"
+            )
+        # the beams of a group run (and, after a preemption, are recomputed) together: all must fit at once
+        if num_beams > 1 and num_beams * blocks > num_blocks:
+            raise ValueError(
+                f"prompt {index} with num_beams={num_beams} needs up to {num_beams} x {blocks} blocks of "
+                f"{block_size} slots but the pool holds only {num_blocks} blocks; raise num_blocks or lower max_new_tokens"
+            )
+
+
+def _warn_about_lengths(model: PreTrainedModel, request: Request, resolved: ResolvedConfig) -> None:
+    hf_compat.validate_generated_length(
+        model, request.params.generation_config, request.num_prompt_tokens, resolved.has_default_max_length
+    )

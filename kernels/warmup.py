@@ -1,0 +1,63 @@
+"""Compile the Triton kernel variants a run will meet up front, instead of inside the first steps that need them.
+
+``paged_attention`` compiles a variant per tile config (picked from the longest query run and the split
+count) and per sequence-search width (a compile-time constant: fewer than 64 sequences, fewer than 256, or
+more); ``store_kv`` one per cache shape. One batch of each kind is enough: uniform query lengths and one
+long run among one-token decodes (mixed steps), for every search width up to ``max_num_seqs``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import cdiv
+from .paged_attention import SEARCH_BLOCK_SEQ_COUNTS, paged_attention
+from .store_kv import store_kv
+
+QUERY_LENGTHS = (1, 2, 4, 8, 16, 32, 64, 256, 2048)
+
+
+def warm_up(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    num_heads: int,
+    sliding_window: int | None,
+    softcap: float | None,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    column_multiple: int = 16,
+) -> None:
+    """Run every variant once on one layer's caches (writing nothing: every slot is -1).
+
+    ``column_multiple``: the caller pads block-table rows to a multiple of this (the row stride is a
+    specialized kernel argument).
+    """
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    device, dtype = k_cache.device, k_cache.dtype
+    capacity = k_cache.shape[0] * block_size
+    budget = max(max_num_batched_tokens, 64)
+    seq_counts = sorted({min(n, max_num_seqs) for n in SEARCH_BLOCK_SEQ_COUNTS})
+    shapes = set()
+    for q_len in QUERY_LENGTHS:
+        for num_seqs in seq_counts:
+            shapes.add((q_len,) * num_seqs)
+            shapes.add((q_len,) + (1,) * (num_seqs - 1))
+    for q_lens in sorted(shapes):
+        max_q, num_seqs, num_tokens = max(q_lens), len(q_lens), sum(q_lens)
+        context = min(max(max_q, 4096), capacity)
+        if max_q > context or num_tokens > budget:
+            continue
+        num_blocks = cdiv(context, block_size)
+        width = cdiv(num_blocks, column_multiple) * column_multiple
+        block_tables = torch.zeros(num_seqs, width, dtype=torch.int32, device=device)
+        block_tables[:, :num_blocks] = torch.arange(num_blocks, dtype=torch.int32, device=device)
+        seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=device)
+        cu = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+        q = torch.randn(num_tokens, num_heads, head_dim, dtype=dtype, device=device)
+        paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu, scale=head_dim**-0.5,
+                        sliding_window=sliding_window, softcap=softcap, max_seqlen_q=max_q, max_seqlen_k=context)
+        slots = torch.full((num_tokens,), -1, dtype=torch.int32, device=device)
+        kv = torch.zeros(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
+        store_kv(kv, torch.zeros(num_tokens, num_kv_heads, v_cache.shape[3], dtype=dtype, device=device),
+                 k_cache, v_cache, slots)
