@@ -33,7 +33,7 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, state: "PatchState"):
         self._model = weakref.ref(model)  # the model owns the state that owns this runner: no cycle
-        self.state = state
+        self.state = weakref.proxy(state)  # the state owns this runner (through the engine): no cycle
         self.config = state.config
         self.device = state.input_device
         self.block_size = state.config.block_size
@@ -82,16 +82,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult | None:
-        """Launch one step; None when nothing is scheduled (the batch is still brought up to date)."""
+        """Launch one step; None when nothing is scheduled. The batch is brought up to date and the block
+        copies run either way: a step that only preempts still swaps its victims out."""
         self.batch.update(out)
-        if out.is_empty:
-            return None
-        if not self._warmed:
-            self.warmup()
         if out.swap_out or out.swap_in:
             self._swap(out)
         if out.block_copies:
             self._copy_blocks(out.block_copies)
+        if out.is_empty:
+            return None
+        if not self._warmed:
+            self.warmup()
         logits, host = self._forward_step(out)
         if self.previous is not None and any(s.params.stages_read_history or s.num_forks for s in host.sample_states):
             self.previous.result()  # this step's processors (or forks) read every earlier token
@@ -194,9 +195,9 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         """Capture the decode CUDA graphs now (otherwise done at the first decode step)."""
         if self.use_graphs and self.graphs is None:
-            graphs = DecodeGraphs(self._graph_forward, self.device, self.config.max_num_seqs, self.graph_width,
+            graphs = DecodeGraphs(self.device, self.config.max_num_seqs, self.graph_width,
                                   self.graph_width * self.block_size)
-            graphs.capture()
+            graphs.capture(self._graph_forward)
             self.graphs = graphs
 
     def _graph_bucket(self, out: SchedulerOutput) -> int | None:
