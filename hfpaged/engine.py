@@ -1,6 +1,6 @@
 """One engine per model, and the handles every caller submits through.
 
-``EngineCore`` (one per patched model, created on first use) joins the scheduler and the runner:
+``EngineCore`` (one per patched model, created by ``patch``) joins the scheduler and the runner:
 ``step`` = schedule -> execute -> update, where an overlapped step's result is read during the next step.
 Callers never drive it directly: each ``generate_many``/``stream_many`` call, each ``Engine`` handle, each
 server request goes through a ``Client``, which submits requests under the core's lock and receives their
@@ -11,10 +11,12 @@ batches, from any number of threads or asyncio tasks, and each caller gets exact
 from __future__ import annotations
 
 import threading
+import weakref
 import time
 from collections import defaultdict, deque
 from typing import Any
 
+import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from .core.kv_manager import KVManager
@@ -33,7 +35,7 @@ class EngineCore:
 
     def __init__(self, model: PreTrainedModel, state: PatchState):
         config = state.config
-        self.state = state
+        self.state = weakref.proxy(state)  # the state owns this engine: no reference cycle
         self.kv = KVManager(
             state.num_blocks,
             config.block_size,
@@ -58,20 +60,28 @@ class EngineCore:
         """
         clock = time.perf_counter
         t0 = clock()
+        scheduler_output = None
         try:
             scheduler_output = self.scheduler.schedule()
             t1 = clock()
             result = self.runner.execute(scheduler_output)
             t2 = clock()
-            outputs = self._update(self.in_flight) if self.in_flight is not None else []
-            self.in_flight = None
+            previous, self.in_flight = self.in_flight, None
+            outputs = self._update(previous) if previous is not None else []
             if result is not None and scheduler_output.overlapped:
                 self.in_flight = (scheduler_output, result)
                 self.num_overlapped_steps += 1
             elif result is not None:
                 outputs += self._update((scheduler_output, result))
-            elif not outputs and self.scheduler.has_unfinished() and self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError("scheduler made no progress: no running request and the next one does not fit")
+            elif previous is None and self.scheduler.has_unfinished():
+                raise RuntimeError(
+                    "scheduler made no progress: nothing could be scheduled and no step is in flight "
+                    f"({len(self.scheduler.waiting)} waiting, {len(self.scheduler.running)} running, "
+                    f"{len(self.scheduler.swapped)} swapped, {self.kv.num_free_blocks} of {self.kv.num_blocks} blocks free)"
+                )
+        except torch.OutOfMemoryError as error:
+            self.recover()
+            raise torch.OutOfMemoryError(self._out_of_memory_message(scheduler_output, error)) from error
         except BaseException:
             self.recover()
             raise
@@ -81,6 +91,18 @@ class EngineCore:
         timings["update"] += clock() - t2  # reading tokens back (waits included), appending, stop checks
         timings["steps"] += 1
         return outputs
+
+    def _out_of_memory_message(self, scheduler_output: SchedulerOutput | None, error: BaseException) -> str:
+        config = self.state.config
+        step = ""
+        if scheduler_output is not None:
+            step = f" in a step of {scheduler_output.num_batched_tokens} tokens for {len(scheduler_output.scheduled)} requests"
+        return (
+            f"hfpaged ran out of device memory{step} ({error}). Every request was put back to be recomputed and "
+            f"the KV pool is intact. Lower max_num_batched_tokens (now {config.max_num_batched_tokens}) or "
+            f"max_num_seqs (now {config.max_num_seqs}), or gpu_memory_utilization (now "
+            f"{config.gpu_memory_utilization}) to leave more room next to the pool, in hfpaged.patch(...)"
+        )
 
     def _update(self, step: tuple[SchedulerOutput, StepResult]) -> list[RequestOutput]:
         scheduler_output, result = step
@@ -143,11 +165,8 @@ def is_prompt_finished(root: Request) -> bool:
 
 
 def engine_of(model: PreTrainedModel) -> EngineCore:
-    """The model's engine (created on first use); the model must be patched."""
-    state = get_state(model)
-    if state.engine is None:
-        state.engine = EngineCore(model, state)
-    return state.engine
+    """The model's engine (``patch`` creates it); the model must be patched."""
+    return get_state(model).engine
 
 
 class Client:

@@ -9,7 +9,7 @@ from typing import Any, Callable
 from transformers import PreTrainedModel
 
 from .core.config import EngineConfig
-from .engine import engine_of
+from .engine import EngineCore, engine_of
 from .generate import generate_many
 from .model.attach import attach, detach, get_state
 from .streaming import astream_many, stream_many
@@ -63,7 +63,8 @@ def patch(
             return model
         tokenizer = tokenizer if tokenizer is not None else existing.tokenizer
         unpatch(model)
-    attach(model, config, tokenizer)
+    state = attach(model, config, tokenizer)
+    state.engine = EngineCore(model, state)  # the model's one engine, before any caller can race to make it
     for name, function in _METHODS.items():
         setattr(model, name, _ModelMethod(function, model))
     return model

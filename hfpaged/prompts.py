@@ -197,7 +197,7 @@ class PromptMaker:
 
     def __init__(self, model: PreTrainedModel, state: "PatchState"):
         self._model = weakref.ref(model)
-        self.state = state
+        self.state = weakref.proxy(state)  # the state owns this (through the engine): no reference cycle
         self.stop_string_cache: dict = {}  # StopStringCriteria shared by requests with the same stop strings
         self._ids = itertools.count()
 

@@ -65,7 +65,7 @@ class PatchState:
     vocab_size: int = 0
     max_model_len: int | None = None
     counters: dict[str, int] = field(default_factory=dict)  # shared with the scheduler (hfpaged.stats)
-    engine: Any = None  # the model's one EngineCore, created on first use (hfpaged.engine)
+    engine: Any = None  # the model's one EngineCore (hfpaged.engine), created by patch
     previous_forward: Callable | None = None  # an instance-level forward that was there before ours
 
     @property

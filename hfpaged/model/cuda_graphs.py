@@ -34,15 +34,7 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """Captured decode forwards keyed by batch bucket."""
 
-    def __init__(
-        self,
-        forward: Callable[[DeviceStep], torch.Tensor],
-        device: torch.device,
-        max_num_seqs: int,
-        width: int,
-        max_seqlen_k: int,
-    ):
-        self.forward = forward
+    def __init__(self, device: torch.device, max_num_seqs: int, width: int, max_seqlen_k: int):
         self.width = width  # block-table columns every graph may read
         self.max_seqlen_k = max_seqlen_k  # the attention grid hint baked into the graphs
         self.buckets = batch_buckets(max_num_seqs)
@@ -85,8 +77,8 @@ class DecodeGraphs:
         )
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every bucket (largest first, one shared pool)."""
+    def capture(self, forward: Callable[[DeviceStep], torch.Tensor]) -> None:
+        """Capture ``forward`` for every bucket (largest first, one shared pool)."""
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for bucket in reversed(self.buckets):
@@ -96,11 +88,11 @@ class DecodeGraphs:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
-                    self.forward(self._views(bucket))
+                    forward(self._views(bucket))
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[bucket] = self.forward(self._views(bucket))
+                self.outputs[bucket] = forward(self._views(bucket))
             self.graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
         logger.info("hfpaged: captured %d decode CUDA graphs (batch %s)", len(self.graphs), self.buckets)

@@ -36,7 +36,10 @@ _UNSUPPORTED_TRUE = {
     "output_logits": "use return_logprobs=True instead",
     "output_attentions": "attentions are not returned by generate_many",
     "output_hidden_states": "hidden states are not returned by generate_many",
+    "return_dict_in_generate": "generate_many returns GenerationResult objects (token ids, text, log-probs)",
 }
+
+
 @dataclass
 class CallOptions:
     """Per-request options that are not GenerationConfig fields (vLLM-style extras included)."""

@@ -1,0 +1,307 @@
+"""Outside the happy path: numerical faults, interrupts and out-of-memory inside a step, weights that
+change after ``patch``, swap-space sizing, freeing on ``del model``, and every malformed input."""
+
+import gc
+import warnings
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from transformers import LogitsProcessor, TextStreamer
+
+import hfpaged
+from hfpaged.sampling.sampler import StepResult
+from models import make_model, random_prompts, reference_generate
+
+
+@pytest.fixture
+def model():
+    m = make_model("llama", seed=21)
+    hfpaged.patch(m, num_blocks=48, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    return m
+
+
+def all_free(m):
+    st = hfpaged.stats(m)
+    return st["num_free_blocks"] == st["num_blocks"] and st["num_free_cpu_blocks"] == st["num_cpu_blocks"]
+
+
+def exact(m, prompts, **kwargs):
+    got = [r.token_ids for r in m.generate_many(prompts, max_new_tokens=8, do_sample=False, **kwargs)]
+    return got == reference_generate(m, prompts, max_new_tokens=8, do_sample=False, **kwargs)
+
+
+class PoisonAfter(LogitsProcessor):
+    """Turns the scores into NaN once the sequence has ``length`` tokens."""
+
+    def __init__(self, length):
+        self.length = length
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[-1] >= self.length:
+            return torch.full_like(scores, float("nan"))
+        return scores
+
+
+# --- numerical faults ----------------------------------------------------------------------------
+
+
+def test_nan_scores_while_sampling_raise_like_stock_generate_and_name_the_prompt(model):
+    prompts = random_prompts([4, 9, 6], seed=1)
+    poison = {"prompt": prompts[1], "logits_processor": [PoisonAfter(len(prompts[1]) + 2)]}
+    with pytest.raises(RuntimeError, match=r"multinomial|probability tensor contains"):
+        model.generate(torch.tensor([prompts[1]]), do_sample=True, max_new_tokens=6, logits_processor=[PoisonAfter(11)])
+    with pytest.raises(RuntimeError, match=r"prompt 1: the probability tensor contains `inf`, `nan`"):
+        model.generate_many([prompts[0], poison, prompts[2]], do_sample=True, max_new_tokens=6)
+    assert all_free(model)
+    assert exact(model, prompts)
+
+
+def test_in_the_engine_api_a_nan_request_finishes_with_an_error_and_the_others_go_on(model):
+    prompts = random_prompts([4, 9, 6], seed=2)
+    expected = reference_generate(model, prompts, max_new_tokens=8, do_sample=False)
+    engine = hfpaged.Engine(model)
+    ids = [engine.add_request(p, max_new_tokens=8, do_sample=False) for p in prompts]
+    bad = engine.add_request(prompts[1], max_new_tokens=8, do_sample=True, logits_processor=[PoisonAfter(11)])
+    gained, finished = {rid: [] for rid in ids + [bad]}, {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            gained[out.request_id] += out.new_token_ids
+            if out.finished:
+                finished[out.request_id] = (out.finish_reason, out.error)
+    assert [gained[rid] for rid in ids] == expected
+    assert finished[bad][0] == "error" and "probability tensor contains" in finished[bad][1]
+    assert len(gained[bad]) == 11 - len(prompts[1])  # its tokens before the NaN step
+    assert all_free(model)
+
+
+# --- failures inside a step ------------------------------------------------------------------------
+
+
+def test_out_of_memory_inside_a_step_says_what_to_lower_and_leaves_everything_usable(model, monkeypatch):
+    prompts = random_prompts([5, 14, 30], seed=3)
+    mlp = model.model.layers[1].mlp
+    real = mlp.forward
+    calls = {"n": 0}
+
+    def exhausted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mlp, "forward", exhausted)
+    with pytest.raises(torch.OutOfMemoryError, match=r"Lower max_num_batched_tokens \(now 32\)") as info:
+        model.generate_many(prompts, max_new_tokens=8, do_sample=False)
+    assert "Tried to allocate 2.00 GiB" in str(info.value) and "in a step of" in str(info.value)
+    assert all_free(model)
+    monkeypatch.undo()
+    assert exact(model, prompts)
+
+
+def test_an_interrupt_while_waiting_for_a_step_frees_everything(model, monkeypatch):
+    prompts = random_prompts([5, 14, 30, 9], seed=4)
+    real = StepResult.result
+    calls = {"n": 0}
+
+    def interrupted(self):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(StepResult, "result", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        model.generate_many(prompts, max_new_tokens=8, do_sample=False)
+    assert all_free(model) and not model._hfpaged.engine.scheduler.requests
+    monkeypatch.undo()
+    assert exact(model, prompts)
+
+
+def test_a_failed_step_does_not_cost_another_caller_its_requests(model, monkeypatch):
+    """Caller A's requests are in the engine when caller B's step fails: A's are recomputed, still exact."""
+    prompts = random_prompts([6, 13], seed=5)
+    expected = reference_generate(model, prompts, max_new_tokens=8, do_sample=False)
+    first = hfpaged.Engine(model)
+    ids = [first.add_request(p, max_new_tokens=8, do_sample=False) for p in prompts]
+    requests = [first.core.scheduler.requests[rid] for rid in ids]
+    for _ in range(3):
+        first.step()
+    assert all(r.output_token_ids for r in requests)  # A is mid-way
+    runner = model._hfpaged.engine.runner
+    monkeypatch.setattr(runner, "execute", lambda out: (_ for _ in ()).throw(RuntimeError("injected")))
+    with pytest.raises(RuntimeError, match="injected"):
+        model.generate_many(random_prompts([7], seed=6), max_new_tokens=4, do_sample=False)
+    monkeypatch.undo()
+    while first.has_unfinished():
+        first.step()
+    assert [r.output_token_ids for r in requests] == expected
+    assert all_free(model)
+
+
+# --- weights that change after patch -----------------------------------------------------------------
+
+
+def stock(m, prompts):
+    return reference_generate(m, prompts, max_new_tokens=8, do_sample=False)
+
+
+def test_load_state_dict_after_patch_drops_the_stale_prefix_cache(model):
+    prompts = random_prompts([13, 21, 17], seed=7)
+    shared = [prompts[0] + p for p in prompts]  # a common prefix: the cache holds its blocks
+    assert exact(model, shared) and exact(model, shared)
+    assert hfpaged.stats(model)["prefix_cache_hits"] > 0  # the second call reused the first call's blocks
+    other = make_model("llama", seed=99)
+    model.load_state_dict(other.state_dict())
+    assert [r.token_ids for r in model.generate_many(shared, max_new_tokens=8, do_sample=False)] == stock(other, shared)
+
+
+def test_in_place_updates_and_an_optimizer_step_are_used_by_the_next_call(model):
+    prompts = random_prompts([9, 16, 12], seed=8)
+    assert exact(model, prompts)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(-1.5)
+    assert exact(model, prompts)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(3):
+        ids = torch.tensor([prompts[1]])
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    assert exact(model, prompts)
+
+
+def test_reset_prefix_cache_forgets_every_cached_block(model):
+    prompts = random_prompts([17, 17], seed=9)
+    model.generate_many(prompts, max_new_tokens=4, do_sample=False)
+    before = hfpaged.stats(model)["prefix_cache_hits"]
+    hfpaged.reset_prefix_cache(model)
+    model.generate_many(prompts[:1], max_new_tokens=4, do_sample=False)
+    assert hfpaged.stats(model)["prefix_cache_hits"] == before  # nothing left to hit
+    model.generate_many(prompts[:1], max_new_tokens=4, do_sample=False)
+    assert hfpaged.stats(model)["prefix_cache_hits"] > before
+
+
+# --- sizing and lifetime ----------------------------------------------------------------------------------
+
+
+def test_swap_space_defaults_to_the_pool_size_and_is_allocated_at_the_first_swap():
+    m = make_model("llama", seed=12)
+    hfpaged.patch(m, num_blocks=64, block_size=4, max_num_seqs=4, preemption_mode="swap")
+    st = hfpaged.stats(m)
+    assert st["num_cpu_blocks"] == 64
+    assert m._hfpaged.swap.caches == []  # nothing allocated yet
+    hfpaged.patch(m, num_blocks=26, block_size=4, max_num_seqs=3, max_num_batched_tokens=24, preemption_mode="swap")
+    prompts = random_prompts([1, 3, 9, 17, 33, 64, 5, 40], seed=1)
+    assert exact(m, prompts)
+    assert hfpaged.stats(m)["num_swapped_out"] > 0 and len(m._hfpaged.swap.caches) == 2
+    assert all_free(m)
+
+
+def test_deleting_the_model_frees_the_pool_without_a_garbage_collection():
+    m = make_model("llama", seed=13)
+    hfpaged.patch(m, num_blocks=32, block_size=4)
+    m.generate_many(random_prompts([5, 9], seed=1), max_new_tokens=4, do_sample=True, seed=1)
+    list(m.stream_many(random_prompts([5], seed=2), max_new_tokens=3))
+    caches = weakref.ref(m._hfpaged.kv_caches[0][0])
+    engine = weakref.ref(m._hfpaged.engine)
+    gc.collect()
+    gc.disable()
+    try:
+        del m
+        assert caches() is None and engine() is None
+    finally:
+        gc.enable()
+
+
+# --- malformed input -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "prompts,error,message",
+    [
+        (5, TypeError, "prompts must be a list of prompts .* got int"),
+        (None, TypeError, "prompts must be a list of prompts .* got NoneType"),
+        ([torch.tensor([3.0, 4.5])], TypeError, "prompt 0 is a Tensor of dtype torch.float32; token ids must be integers"),
+        ([np.array([3.0, 4.0])], TypeError, "prompt 0 is a ndarray of dtype float64"),
+        (torch.tensor([[3.0, 4.0]]), TypeError, "prompts is a Tensor of dtype torch.float32"),
+        (torch.zeros(2, 2, 2, dtype=torch.long), ValueError, "3-D Tensor of shape"),
+        ([object()], TypeError, "prompt 0 has unsupported type object"),
+    ],
+)
+def test_malformed_prompts_name_what_was_wrong(model, prompts, error, message):
+    with pytest.raises(error, match=message):
+        model.generate_many(prompts, max_new_tokens=4)
+    assert all_free(model) and exact(model, random_prompts([4], seed=3))
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(logit_bias={5: float("nan")}), "logit_bias must be a dict of token id .* finite float"),
+        (dict(logit_bias={5: float("inf")}), "logit_bias must be a dict of token id .* finite float"),
+        (dict(return_dict_in_generate=True), "return_dict_in_generate=True .* GenerationResult"),
+        (dict(attention_mask=torch.ones(1, 4)), "attention_mask= .* 2-D batch"),
+    ],
+)
+def test_malformed_settings_name_what_was_wrong(model, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        model.generate_many(random_prompts([4], seed=3), max_new_tokens=4, **kwargs)
+    assert all_free(model)
+
+
+def test_numpy_prompts_and_2d_batches_work_like_tensors(model):
+    prompts = random_prompts([6, 6, 6], seed=10)
+    expected = stock(model, prompts)
+    assert [r.token_ids for r in model.generate_many([np.array(p) for p in prompts], max_new_tokens=8,
+                                                     do_sample=False)] == expected
+    assert [r.token_ids for r in model.generate_many([np.array(p, dtype=np.int32) for p in prompts],
+                                                     max_new_tokens=8, do_sample=False)] == expected
+    for batch in (torch.tensor(prompts), np.array(prompts)):
+        assert [r.token_ids for r in model.generate_many(batch, max_new_tokens=8, do_sample=False)] == expected
+
+
+def test_a_padded_2d_batch_needs_its_attention_mask(model):
+    model.generation_config.pad_token_id = 0
+    prompts = random_prompts([3, 6], seed=11)
+    batch = torch.tensor([[0, 0, 0] + prompts[0], prompts[1]])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1] * 6])
+    with pytest.raises(ValueError, match=r"prompt rows \[0\] contain the pad token id 0; pass attention_mask="):
+        model.generate_many(batch, max_new_tokens=8, do_sample=False)
+    got = [r.token_ids for r in model.generate_many(batch, attention_mask=mask, max_new_tokens=8, do_sample=False)]
+    assert got == stock(model, prompts)
+    assert all_free(model)
+
+
+def test_min_new_tokens_beyond_max_new_tokens_warns_as_generate_does(model):
+    prompt = random_prompts([5], seed=12)
+    with pytest.warns(UserWarning, match="Unfeasible length constraints: `min_new_tokens` \\(9\\)") as stock_warnings:
+        model.generate(torch.tensor(prompt), max_new_tokens=4, min_new_tokens=9, do_sample=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.generate_many(prompt * 3, max_new_tokens=4, min_new_tokens=9, do_sample=False)
+    ours = [str(w.message) for w in caught if "Unfeasible length constraints" in str(w.message)]
+    theirs = [str(w.message) for w in stock_warnings if "Unfeasible length constraints" in str(w.message)]
+    assert ours == theirs and len(ours) == 2  # stock's messages, once per call (not once per prompt)
+
+
+def test_a_streamer_whose_end_raises_does_not_hide_the_original_error(model, monkeypatch):
+    class BrokenEnd(TextStreamer):
+        def end(self):
+            raise OSError("the streamer's pipe is closed")
+
+    class Tok:
+        def decode(self, ids, **kwargs):
+            return "x" * len(ids)
+
+    runner = model._hfpaged.engine.runner
+    monkeypatch.setattr(runner, "execute", lambda out: (_ for _ in ()).throw(RuntimeError("the real failure")))
+    with pytest.raises(RuntimeError, match="the real failure") as info:
+        model.generate_many(random_prompts([5], seed=13), max_new_tokens=4, streamer=BrokenEnd(Tok()))
+    assert any("the streamer's pipe is closed" in note for note in info.value.__notes__)
+    monkeypatch.undo()
+    assert all_free(model)
