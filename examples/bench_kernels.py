@@ -24,8 +24,8 @@ if "--dry-run" in sys.argv:  # CPU smoke run of this script: kernels in Triton's
 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
 from hfpaged.kernels import paged_attention, store_kv
 from hfpaged.kernels.attention_config import AttentionConfig, choose_config
@@ -244,7 +244,9 @@ class PrefillProblem:
         # The same data laid out contiguously for SDPA: [B, heads, S, D].
         self.sdpa = []
         for i in range(sets):
-            slots = (self.tables[i].long()[:, :, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE, device=DEVICE)).flatten(1)
+            slots = (self.tables[i].long()[:, :, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE, device=DEVICE)).flatten(
+                1
+            )
             slots = slots[:, :seq_len]
             k = self.k_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots].transpose(1, 2).contiguous()
             v = self.v_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots].transpose(1, 2).contiguous()
@@ -378,12 +380,12 @@ def bench_store_kv(token_counts, copy_gbs, warps_sweep=False):
             inputs.append((key, value, slots))
         variants = [None] + ([1, 2, 4, 8] if warps_sweep else [])
         for warps in variants:
-            calls = [
-                (lambda k=k, v=v, s=s: store_kv(k, v, k_cache, v_cache, s, num_warps=warps)) for k, v, s in inputs
-            ]
+            calls = [(lambda k=k, v=v, s=s: store_kv(k, v, k_cache, v_cache, s, num_warps=warps)) for k, v, s in inputs]
             ms = graph_time_ms(calls)
             gbs = moved / ms / 1e6
-            row = dict(num_tokens=num_tokens, num_warps=warps or "default", ms=ms, gbs=gbs, pct_copy=100 * gbs / copy_gbs)
+            row = dict(
+                num_tokens=num_tokens, num_warps=warps or "default", ms=ms, gbs=gbs, pct_copy=100 * gbs / copy_gbs
+            )
             rows.append(row)
             print(f"store_kv T={num_tokens:6d} warps={row['num_warps']}: {ms * 1e3:8.1f} us {gbs:7.0f} GB/s "
                   f"{row['pct_copy']:5.1f}%", flush=True)  # fmt: skip
@@ -447,7 +449,8 @@ def print_summary(result):
             cells = []
             for b in batches:
                 r = next((r for r in result["decode"] if r["batch"] == b and r["context"] == context), None)
-                cells.append(f"{'skip' if r is None or 'gbs' not in r else '%.0f (%.0f%%)' % (r['gbs'], r['pct_copy']):>16}")
+                cell = "skip" if r is None or "gbs" not in r else f"{r['gbs']:.0f} ({r['pct_copy']:.0f}%)"
+                cells.append(f"{cell:>16}")
             print(f"  ctx {context:6d}            " + "".join(cells))
     for r in result.get("prefill", []):
         print(f"prefill {r['num_seqs']}x{r['seq_len']:5d}: {r['tflops']:6.1f} TFLOP/s vs SDPA default "
@@ -467,9 +470,13 @@ def main(argv=None):
     parser.add_argument("--contexts", default="512,2048,8192,32768", help="decode context lengths")
     parser.add_argument("--prefill", default="1x1024,1x4096,4x256,4x1024", help="prefill shapes SEQSxLEN")
     parser.add_argument("--store-tokens", default="256,4096,32768", help="store_kv token counts")
-    parser.add_argument("--sweep", action="store_true", help="also run a small tile-config sweep (after the measurements)")
+    parser.add_argument(
+        "--sweep", action="store_true", help="also run a small tile-config sweep (after the measurements)"
+    )
     parser.add_argument("--skip", default="", help="comma list of sections to skip: decode,prefill,store")
-    parser.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU (Triton interpreter): checks the script")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="tiny sizes on CPU (Triton interpreter): checks the script"
+    )
     args = parser.parse_args(argv)
     global DEVICE, DTYPE, L2_ROTATE_BYTES
     if args.dry_run:
@@ -477,7 +484,7 @@ def main(argv=None):
         args.batches, args.contexts, args.prefill, args.store_tokens = "1,2", "64,256", "1x64,2x32", "32"
     elif not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU (or --dry-run)")
-    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    ints = lambda s: [int(x) for x in s.split(",") if x]
     skip = set(args.skip.split(","))
     prefill_shapes = [tuple(int(v) for v in s.split("x")) for s in args.prefill.split(",") if s]
     torch.manual_seed(0)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import statistics
 import sys
@@ -36,26 +35,66 @@ import torch
 
 MODELS = {
     "qwen3-0.6b": dict(
-        model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-        max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=True,
-        rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645,
+        model_type="qwen3",
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        bos_token_id=151643,
+        eos_token_id=151645,
     ),
     "llama-3.2-1b": dict(
-        model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
-        max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True,
-        rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
-        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192),
+        model_type="llama",
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        bos_token_id=128000,
+        eos_token_id=128001,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
     ),
     "llama-3.1-8b": dict(
-        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-        max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False,
-        rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192),
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        bos_token_id=128000,
+        eos_token_id=128001,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
     ),
 }
 
@@ -232,8 +271,10 @@ def summarize_steps(step_log):
     eager = [t for t, g, _ in step_log if not g]
     slow = sorted(step_log, reverse=True)[:5]
     return {
-        "graph_steps": len(graph), "graph_seconds": sum(graph),
-        "eager_steps": len(eager), "eager_seconds": sum(eager),
+        "graph_steps": len(graph),
+        "graph_seconds": sum(graph),
+        "eager_steps": len(eager),
+        "eager_seconds": sum(eager),
         "slowest": [(round(t * 1e3, 2), g, b) for t, g, b in slow],
     }
 
@@ -243,7 +284,9 @@ def batch1_latency(model, prompt_len=128, new_tokens=256):
     import hfpaged
 
     engine = hfpaged.Engine(model)
-    engine.add_request(list(range(100, 100 + prompt_len)), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
+    engine.add_request(
+        list(range(100, 100 + prompt_len)), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None
+    )
     engine.step()  # prefill
     engine.step()  # first decode (may capture graphs)
     runner = engine.runner
@@ -265,7 +308,10 @@ def prefix_caching(model, num_requests=256, system_len=1024, question_len=(16, 6
     vocab = model.config.vocab_size
     system = torch.randint(10, vocab - 10, (system_len,), generator=gen).tolist()
     prompts = [
-        system + torch.randint(10, vocab - 10, (int(torch.randint(*question_len, (1,), generator=gen)),), generator=gen).tolist()
+        system
+        + torch.randint(
+            10, vocab - 10, (int(torch.randint(*question_len, (1,), generator=gen)),), generator=gen
+        ).tolist()
         for _ in range(num_requests)
     ]
     out = {}
@@ -274,7 +320,9 @@ def prefix_caching(model, num_requests=256, system_len=1024, question_len=(16, 6
         model.generate_many(prompts[:8], max_new_tokens=4, do_sample=False)  # warm-up (graphs)
         if enabled:
             hfpaged.reset_prefix_cache(model)
-        results, dt = timed(lambda: model.generate_many(prompts, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None))
+        results, dt = timed(
+            lambda: model.generate_many(prompts, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
+        )
         tokens = sum(len(r.token_ids) for r in results)
         out["on" if enabled else "off"] = {"tokens_per_s": tokens / dt, "seconds": dt, "stats": hfpaged.stats(model)}
     out["speedup"] = out["on"]["tokens_per_s"] / out["off"]["tokens_per_s"]
@@ -303,26 +351,39 @@ def bench_model(name, args, bandwidth):
 
     for kind in args.workloads:
         prompts, out_lens = workload(kind, args.requests, vocab)
-        w = res.setdefault(kind, {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
-                                  "output_tokens": sum(out_lens)})
+        w = res.setdefault(
+            kind, {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(out_lens)}
+        )
         # hfpaged (warm-up first: graph capture, Triton compile)
         hfpaged.patch(model, max_num_seqs=args.max_num_seqs, compile=args.compile)
         try:
             run_hfpaged(model, prompts[:32], [8] * 32)
             tokens, dt, usage, engine = run_hfpaged(model, prompts, out_lens, track_usage=True)
             timings = dict(engine.timings)
-            w["hfpaged"] = {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt, "kv_slot_usage": usage,
-                            "graph_steps": engine.runner.num_graph_steps, "eager_steps": engine.runner.num_eager_steps,
-                            "host_seconds": timings, "stats": hfpaged.stats(model)}
-            log(f"[{kind}] hfpaged: {tokens} tokens in {dt:.2f}s = {tokens / dt:,.0f} tok/s, KV slot usage {usage:.1%}, "
-                f"graph/eager steps {engine.runner.num_graph_steps}/{engine.runner.num_eager_steps}")
+            w["hfpaged"] = {
+                "tokens": tokens,
+                "seconds": dt,
+                "tokens_per_s": tokens / dt,
+                "kv_slot_usage": usage,
+                "graph_steps": engine.runner.num_graph_steps,
+                "eager_steps": engine.runner.num_eager_steps,
+                "host_seconds": timings,
+                "stats": hfpaged.stats(model),
+            }
+            log(
+                f"[{kind}] hfpaged: {tokens} tokens in {dt:.2f}s = {tokens / dt:,.0f} tok/s, KV slot usage {usage:.1%}, "
+                f"graph/eager steps {engine.runner.num_graph_steps}/{engine.runner.num_eager_steps}"
+            )
             w["hfpaged"]["steps"] = summarize_steps(engine.step_log)
             w["hfpaged"]["triton_compiles_in_run"] = engine.triton_compiles
             log(f"    steps: {w['hfpaged']['steps']}")
             for event in engine.triton_compiles:
                 log(f"    Triton compile inside the timed run: {event}")
             steps = max(timings.get("steps", 1), 1)
-            log("    per step (ms): " + ", ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in timings.items() if k != "steps"))
+            log(
+                "    per step (ms): "
+                + ", ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in timings.items() if k != "steps")
+            )
         except Exception:
             w["hfpaged_error"] = traceback.format_exc()
             log(w["hfpaged_error"])
@@ -336,8 +397,13 @@ def bench_model(name, args, bandwidth):
             try:
                 run_generate_batch(model, prompts[:4], 4)  # warm-up
                 tokens, dt = run_generate_batch(model, prompts[:n], mean_out)
-                w["generate_batch"] = {"requests": n, "max_new_tokens": mean_out, "tokens": tokens, "seconds": dt,
-                                       "tokens_per_s": tokens / dt}
+                w["generate_batch"] = {
+                    "requests": n,
+                    "max_new_tokens": mean_out,
+                    "tokens": tokens,
+                    "seconds": dt,
+                    "tokens_per_s": tokens / dt,
+                }
                 log(f"[{kind}] generate_batch ({n} req, {mean_out} new each): {tokens / dt:,.0f} tok/s")
             except Exception:
                 w["generate_batch_error"] = traceback.format_exc()
@@ -365,11 +431,13 @@ def bench_model(name, args, bandwidth):
     if "parity" in args.sections:
         try:
             res["parity"] = pr = greedy_parity(model, compile=args.compile)
-            log(f"greedy parity ({pr['dtype']}, {pr['prompts']} prompts x {pr['new_tokens']} tokens vs stock generate): "
+            log(
+                f"greedy parity ({pr['dtype']}, {pr['prompts']} prompts x {pr['new_tokens']} tokens vs stock generate): "
                 f"{pr['share_all_match']:.0%} match on all tokens, {pr['share_first_match']:.0%} on the first, "
                 f"mean matching prefix {pr['mean_matching_prefix']:.1f} tokens; yardstick, stock eager vs stock sdpa: "
                 f"{pr['stock_eager_vs_sdpa']['share_all_match']:.0%} on all tokens, mean matching prefix "
-                f"{pr['stock_eager_vs_sdpa']['mean_matching_prefix']:.1f}")
+                f"{pr['stock_eager_vs_sdpa']['mean_matching_prefix']:.1f}"
+            )
         except Exception:
             res["parity_error"] = traceback.format_exc()
             log(res["parity_error"])
@@ -379,8 +447,10 @@ def bench_model(name, args, bandwidth):
         try:
             res["prefix_caching"] = prefix_caching(model)
             pc = res["prefix_caching"]
-            log(f"prefix caching: off {pc['off']['tokens_per_s']:,.0f} tok/s, on {pc['on']['tokens_per_s']:,.0f} tok/s "
-                f"({pc['speedup']:.2f}x)")
+            log(
+                f"prefix caching: off {pc['off']['tokens_per_s']:,.0f} tok/s, on {pc['on']['tokens_per_s']:,.0f} tok/s "
+                f"({pc['speedup']:.2f}x)"
+            )
         except Exception:
             res["prefix_error"] = traceback.format_exc()
             log(res["prefix_error"])
@@ -389,12 +459,15 @@ def bench_model(name, args, bandwidth):
         try:
             gen = torch.Generator().manual_seed(2)
             prompts = [torch.randint(10, vocab - 10, (1024,), generator=gen).tolist() for _ in range(8)]
-            res["parallel_sampling"] = ps = parallel_sampling_kv(model, prompts, n=4, new_tokens=128,
-                                                                 max_num_seqs=args.max_num_seqs)
+            res["parallel_sampling"] = ps = parallel_sampling_kv(
+                model, prompts, n=4, new_tokens=128, max_num_seqs=args.max_num_seqs
+            )
             mib = ps["block_bytes"] / 2**20
-            log(f"parallel sampling (8 prompts of 1024, n=4, 128 new): peak KV {ps['parallel']['peak_blocks']} blocks "
+            log(
+                f"parallel sampling (8 prompts of 1024, n=4, 128 new): peak KV {ps['parallel']['peak_blocks']} blocks "
                 f"({ps['parallel']['peak_blocks'] * mib:,.0f} MiB) vs {ps['independent']['peak_blocks']} blocks "
-                f"({ps['independent']['peak_blocks'] * mib:,.0f} MiB) as 32 independent requests = {ps['block_ratio']:.2f}x")
+                f"({ps['independent']['peak_blocks'] * mib:,.0f} MiB) as 32 independent requests = {ps['block_ratio']:.2f}x"
+            )
         except Exception:
             res["parallel_error"] = traceback.format_exc()
             log(res["parallel_error"])
@@ -414,33 +487,46 @@ def table(results, bandwidth):
             w = r.get(kind)
             if not w:
                 continue
+
             def f(key):
                 v = w.get(key, {}).get("tokens_per_s")
                 return f"{v:,.0f}" if v else "-"
+
             def x(key):
                 v = w.get(key)
                 return f"{v:.1f}x" if v else "-"
+
             usage = w.get("hfpaged", {}).get("kv_slot_usage")
-            lines.append(f"{r['model']:14} {kind:5} {f('stock'):>12} {f('generate_batch'):>16} {f('hfpaged'):>14} "
-                         f"{x('speedup_vs_stock'):>8} {x('speedup_vs_generate_batch'):>8} "
-                         f"{(f'{usage:.1%}' if usage else '-'):>7}")
+            lines.append(
+                f"{r['model']:14} {kind:5} {f('stock'):>12} {f('generate_batch'):>16} {f('hfpaged'):>14} "
+                f"{x('speedup_vs_stock'):>8} {x('speedup_vs_generate_batch'):>8} "
+                f"{(f'{usage:.1%}' if usage else '-'):>7}"
+            )
         if "batch1" in r:
             b = r["batch1"]
-            lines.append(f"{r['model']:14} batch-1 decode {b['ms_per_token']:.3f} ms/token; roofline {b['roofline_ms']:.3f} ms "
-                         f"-> {b['share_of_roofline']:.0%} of roofline")
+            lines.append(
+                f"{r['model']:14} batch-1 decode {b['ms_per_token']:.3f} ms/token; roofline {b['roofline_ms']:.3f} ms "
+                f"-> {b['share_of_roofline']:.0%} of roofline"
+            )
         if "parity" in r:
             p = r["parity"]
-            lines.append(f"{r['model']:14} greedy parity ({p['dtype']}): {p['share_all_match']:.0%} of {p['prompts']} prompts match "
-                         f"stock generate on all {p['new_tokens']} tokens; mean matching prefix {p['mean_matching_prefix']:.1f} "
-                         f"(stock eager vs sdpa: {p['stock_eager_vs_sdpa']['share_all_match']:.0%}, "
-                         f"{p['stock_eager_vs_sdpa']['mean_matching_prefix']:.1f})")
+            lines.append(
+                f"{r['model']:14} greedy parity ({p['dtype']}): {p['share_all_match']:.0%} of {p['prompts']} prompts match "
+                f"stock generate on all {p['new_tokens']} tokens; mean matching prefix {p['mean_matching_prefix']:.1f} "
+                f"(stock eager vs sdpa: {p['stock_eager_vs_sdpa']['share_all_match']:.0%}, "
+                f"{p['stock_eager_vs_sdpa']['mean_matching_prefix']:.1f})"
+            )
         if "prefix_caching" in r:
             p = r["prefix_caching"]
-            lines.append(f"{r['model']:14} prefix caching on/off: {p['on']['tokens_per_s']:,.0f} / {p['off']['tokens_per_s']:,.0f} tok/s = {p['speedup']:.2f}x")
+            lines.append(
+                f"{r['model']:14} prefix caching on/off: {p['on']['tokens_per_s']:,.0f} / {p['off']['tokens_per_s']:,.0f} tok/s = {p['speedup']:.2f}x"
+            )
         if "parallel_sampling" in r:
             p = r["parallel_sampling"]
-            lines.append(f"{r['model']:14} n={p['n']} sampling peak KV blocks: {p['parallel']['peak_blocks']} shared vs "
-                         f"{p['independent']['peak_blocks']} independent = {p['block_ratio']:.2f}x")
+            lines.append(
+                f"{r['model']:14} n={p['n']} sampling peak KV blocks: {p['parallel']['peak_blocks']} shared vs "
+                f"{p['independent']['peak_blocks']} independent = {p['block_ratio']:.2f}x"
+            )
     return "\n".join(lines)
 
 
@@ -480,13 +566,19 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.2-1b"], choices=list(MODELS))
     parser.add_argument("--workloads", nargs="+", default=["nano", "chat"], choices=["nano", "chat"])
-    parser.add_argument("--sections", nargs="+", default=["latency", "generate_batch", "stock"],
-                        choices=["latency", "generate_batch", "stock", "prefix", "parallel", "parity"])
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        default=["latency", "generate_batch", "stock"],
+        choices=["latency", "generate_batch", "stock", "prefix", "parallel", "parity"],
+    )
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--gb-requests", type=int, default=256, help="requests given to generate_batch (0: skip)")
     parser.add_argument("--stock-requests", type=int, default=64, help="requests given to stock generate (0: skip)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--compile", action="store_true", help="hfpaged with patch(compile=True) (torch.compile in the decode graphs)")
+    parser.add_argument(
+        "--compile", action="store_true", help="hfpaged with patch(compile=True) (torch.compile in the decode graphs)"
+    )
     parser.add_argument("--out", default="bench_out", help="folder for benchmark.json and benchmark.png")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -495,14 +587,25 @@ def main(argv=None):
     import transformers
 
     bandwidth = copy_bandwidth()
-    log(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    log(
+        f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s"
+    )
     results = []
     for name in args.models:
         results.append(bench_model(name, args, bandwidth))
         with open(os.path.join(args.out, "benchmark.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth, "args": vars(args),
-                       "results": results}, f, indent=1, default=str)
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "copy_bandwidth": bandwidth,
+                    "args": vars(args),
+                    "results": results,
+                },
+                f,
+                indent=1,
+                default=str,
+            )
     text = table(results, bandwidth)
     plot(results, os.path.join(args.out, "benchmark.png"))
     log("\n" + text)

@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from benchmark import build_model  # noqa: E402
+from benchmark import build_model
 
 
 def main(argv=None):
@@ -44,7 +44,10 @@ def main(argv=None):
         for _ in range(batch):
             prompt = torch.randint(10, 1000, (args.context,), generator=gen).tolist()
             engine.add_request(prompt, max_new_tokens=10_000, do_sample=False, eos_token_id=None)
-        while any(r.num_tokens - r.num_computed_tokens > 1 for r in engine.core.scheduler.running) or engine.core.scheduler.waiting:
+        while (
+            any(r.num_tokens - r.num_computed_tokens > 1 for r in engine.core.scheduler.running)
+            or engine.core.scheduler.waiting
+        ):
             engine.step()
         for _ in range(3):
             engine.step()
@@ -62,7 +65,10 @@ def main(argv=None):
         pstats.Stats(profiler, stream=stream).sort_stats("cumulative").print_stats(35)
         steps = engine.core.timings["steps"]
         print(f"\n=== batch {batch}, context ~{args.context}: {wall * 1e3:.2f} ms/step wall (under cProfile) ===")
-        print("phases (ms/step): " + ", ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in engine.core.timings.items() if k != "steps"))
+        print(
+            "phases (ms/step): "
+            + ", ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in engine.core.timings.items() if k != "steps")
+        )
         with open(os.path.join(args.out, f"cprofile_b{batch}.txt"), "w") as f:
             f.write(stream.getvalue())
         print("\n".join(stream.getvalue().splitlines()[:60]))
@@ -79,8 +85,14 @@ def main(argv=None):
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) / args.steps
             config.async_scheduling = saved
-            print(f"batch {batch}: {wall * 1e3:.2f} ms/step wall with async_scheduling={overlap}; phases (ms/step): "
-                  + ", ".join(f"{k} {v / engine.core.timings['steps'] * 1e3:.2f}" for k, v in engine.core.timings.items() if k != "steps"))
+            print(
+                f"batch {batch}: {wall * 1e3:.2f} ms/step wall with async_scheduling={overlap}; phases (ms/step): "
+                + ", ".join(
+                    f"{k} {v / engine.core.timings['steps'] * 1e3:.2f}"
+                    for k, v in engine.core.timings.items()
+                    if k != "steps"
+                )
+            )
 
         # device kernels
         from torch.profiler import ProfilerActivity, profile

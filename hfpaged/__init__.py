@@ -1,8 +1,8 @@
 """hfpaged: paged KV cache + continuous batching for Hugging Face transformers models, in place.
 
-    import hfpaged
-    hfpaged.patch(model)
-    results = model.generate_many(prompts, tokenizer=tok, max_new_tokens=64)
+import hfpaged
+hfpaged.patch(model)
+results = model.generate_many(prompts, tokenizer=tok, max_new_tokens=64)
 """
 
 from .core.config import EngineConfig

@@ -11,8 +11,8 @@ batches, from any number of threads or asyncio tasks, and each caller gets exact
 from __future__ import annotations
 
 import threading
-import weakref
 import time
+import weakref
 from collections import defaultdict, deque
 from typing import Any
 
@@ -122,7 +122,7 @@ class EngineCore:
 
     # --- callers ------------------------------------------------------------------------------------
 
-    def add(self, request: Request, client: "Client") -> None:
+    def add(self, request: Request, client: Client) -> None:
         """Queue a prompt's first request for ``client`` (call with the lock held)."""
         self.scheduler.add(request)
         self.owners[request.request_id] = (client, request)

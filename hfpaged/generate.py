@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
@@ -20,7 +21,7 @@ def _sequences(request: Request, tokenizer: Any) -> list[SequenceOutput]:
     def decode(token_ids: list[int]) -> str | None:
         return tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else None
 
-    search = request.group.beam_search if request.group is not None else None
+    search = request.beam_search
     if search is not None:
         return [
             SequenceOutput(s.token_ids, decode(s.token_ids), s.finish_reason, score=s.score)
@@ -167,5 +168,5 @@ def _end_streamer_after(streamer: Any, error: BaseException) -> None:
     """Close the streamer after a failure without hiding the failure if ``end()`` raises too."""
     try:
         streamer.end()
-    except Exception as end_error:  # noqa: BLE001 - reported on the original error instead
+    except Exception as end_error:
         error.add_note(f"(the streamer's end() also failed: {type(end_error).__name__}: {end_error})")

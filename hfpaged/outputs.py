@@ -35,7 +35,7 @@ class RequestOutput:
 
 
 def make_request_output(
-    request: "Request",
+    request: Request,
     new_token_ids: list[int],
     *,
     all_token_ids: list[int] | None = None,

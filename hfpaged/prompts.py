@@ -53,7 +53,9 @@ def split_call_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str
         value = kwargs.get(name)
         if value is not None and value is not False:
             raise ValueError(f"generate_many does not support {name}= ({what})")
-    generate_kwargs = {k: v for k, v in kwargs.items() if k not in CALL_OPTION_NAMES and k not in _UNSUPPORTED_ARGUMENTS}
+    generate_kwargs = {
+        k: v for k, v in kwargs.items() if k not in CALL_OPTION_NAMES and k not in _UNSUPPORTED_ARGUMENTS
+    }
     options = {k: v for k, v in kwargs.items() if k in CALL_OPTION_NAMES}
     return generate_kwargs, options
 
@@ -73,9 +75,13 @@ def prompt_list(prompts: Any, kwargs: dict[str, Any], pad_token_id: int | None) 
     is refused (it would be read as part of the prompt)."""
     if isinstance(prompts, (torch.Tensor, np.ndarray)):
         if not _is_int_array(prompts):
-            raise TypeError(f"prompts is a {type(prompts).__name__} of dtype {prompts.dtype}; token ids must be integers")
+            raise TypeError(
+                f"prompts is a {type(prompts).__name__} of dtype {prompts.dtype}; token ids must be integers"
+            )
         if prompts.ndim == 1:
-            raise ValueError("prompts must be a list of prompts (strings, token-id lists or dicts), not a single prompt")
+            raise ValueError(
+                "prompts must be a list of prompts (strings, token-id lists or dicts), not a single prompt"
+            )
         if prompts.ndim != 2:
             raise ValueError(
                 f"prompts is a {prompts.ndim}-D {type(prompts).__name__} of shape {tuple(prompts.shape)}; give a list of "
@@ -120,7 +126,9 @@ def to_token_ids(prompt: Any, index: int | None, tokenizer: Any) -> list[int]:
         return list(tokenizer(prompt)["input_ids"])
     if isinstance(prompt, (torch.Tensor, np.ndarray)):
         if not _is_int_array(prompt):
-            raise TypeError(f"prompt {index} is a {type(prompt).__name__} of dtype {prompt.dtype}; token ids must be integers")
+            raise TypeError(
+                f"prompt {index} is a {type(prompt).__name__} of dtype {prompt.dtype}; token ids must be integers"
+            )
         if prompt.ndim == 2 and prompt.shape[0] == 1:
             prompt = prompt[0]
         if prompt.ndim != 1:
@@ -195,7 +203,7 @@ def expand_prompts(
 class PromptMaker:
     """Tokenizes, resolves and validates prompts into requests for one patched model."""
 
-    def __init__(self, model: PreTrainedModel, state: "PatchState"):
+    def __init__(self, model: PreTrainedModel, state: PatchState):
         self._model = weakref.ref(model)
         self.state = weakref.proxy(state)  # the state owns this (through the engine): no reference cycle
         self.stop_string_cache: dict = {}  # StopStringCriteria shared by requests with the same stop strings
@@ -287,11 +295,15 @@ class PromptMaker:
                 f"prompt {index} runs {num_sequences} sequences at once (num_beams / num_return_sequences) but "
                 f"max_num_seqs is {state.config.max_num_seqs}"
             )
-        request = Request(request_id if request_id is not None else f"req-{next(self._ids)}", token_ids, params,
-                          index=index)
+        request = Request(
+            request_id if request_id is not None else f"req-{next(self._ids)}", token_ids, params, index=index
+        )
         if params.num_beams > 1:
-            RequestGroup(request, params.num_beams,
-                         BeamSearch(self.model, request.request_id, params, token_ids, state.input_device))
+            RequestGroup(
+                request,
+                params.num_beams,
+                BeamSearch(self.model, request.request_id, params, token_ids, state.input_device),
+            )
         elif params.num_return_sequences > 1:
             RequestGroup(request, params.num_return_sequences)
         return request

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterator, Sequence
+from typing import Any
 
 from transformers import GenerationConfig, PreTrainedModel
 
@@ -93,7 +94,7 @@ def _prepare(
         raise ValueError("stream_many does not take streamer=: iterate over its events instead")
     kwargs = {k: v for k, v in kwargs.items() if k != "streamer"}
     client, requests, tokenizer = prepare(model, prompts, generation_config, tokenizer, kwargs)
-    beams = next((r for r in requests if r.group is not None and r.group.beam_search is not None), None)
+    beams = next((r for r in requests if r.beam_search is not None), None)
     if beams is not None:
         raise ValueError(
             f"prompt {beams.index}: streaming does not support num_beams > 1 (a beam's tokens are final only when "

@@ -15,8 +15,12 @@ from .patch import patch, unpatch
 
 
 def greedy_parity(
-    model: Any, prompts: list[list[int]] | None = None, num_prompts: int = 32, new_tokens: int = 32,
-    compile: bool = False, stop_at_eos: bool = False,
+    model: Any,
+    prompts: list[list[int]] | None = None,
+    num_prompts: int = 32,
+    new_tokens: int = 32,
+    compile: bool = False,
+    stop_at_eos: bool = False,
 ) -> dict[str, Any]:
     """Greedy tokens of generate_many vs stock generate (each prompt alone) in the model's own dtype.
 
@@ -29,8 +33,10 @@ def greedy_parity(
     if prompts is None:
         gen = torch.Generator().manual_seed(3)
         vocab = model.config.vocab_size
-        prompts = [torch.randint(10, vocab - 10, (int(n),), generator=gen).tolist()
-                   for n in torch.randint(16, 257, (num_prompts,), generator=gen)]
+        prompts = [
+            torch.randint(10, vocab - 10, (int(n),), generator=gen).tolist()
+            for n in torch.randint(16, 257, (num_prompts,), generator=gen)
+        ]
     options = dict(max_new_tokens=new_tokens, do_sample=False) | ({} if stop_at_eos else dict(eos_token_id=None))
     # stock generate also keeps any default eos of the model's generation config from ending a sequence early
     stock_options = options | ({} if stop_at_eos else dict(min_new_tokens=new_tokens))
@@ -43,12 +49,14 @@ def greedy_parity(
         with torch.no_grad():
             for p in prompts:
                 seq = model.generate(torch.tensor([p], device=model.device), pad_token_id=pad, **stock_options)
-                out.append(seq[0, len(p):].tolist())
+                out.append(seq[0, len(p) :].tolist())
         return out
 
     def agreement(got, expected):
-        prefix = [next((i for i, (a, b) in enumerate(zip(g, e)) if a != b), min(len(g), len(e)))
-                  for g, e in zip(got, expected)]
+        prefix = [
+            next((i for i, (a, b) in enumerate(zip(g, e)) if a != b), min(len(g), len(e)))
+            for g, e in zip(got, expected)
+        ]
         return {
             "share_all_match": sum(g == e for g, e in zip(got, expected)) / len(prompts),
             "share_first_match": sum(g[:1] == e[:1] for g, e in zip(got, expected)) / len(prompts),
@@ -66,8 +74,13 @@ def greedy_parity(
         got = [r.token_ids for r in model.generate_many(prompts, **options)]
     finally:
         unpatch(model)
-    return {"prompts": len(prompts), "new_tokens": new_tokens, "dtype": str(next(model.parameters()).dtype),
-            **agreement(got, expected), "stock_eager_vs_sdpa": agreement(eager, expected)}
+    return {
+        "prompts": len(prompts),
+        "new_tokens": new_tokens,
+        "dtype": str(next(model.parameters()).dtype),
+        **agreement(got, expected),
+        "stock_eager_vs_sdpa": agreement(eager, expected),
+    }
 
 
 def parallel_sampling_kv(
@@ -99,8 +112,12 @@ def parallel_sampling_kv(
 
     state = model._hfpaged
     out = {
-        "n": n, "num_prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "new_tokens": new_tokens,
-        "block_size": state.config.block_size, "block_bytes": sum(block_bytes(state.layers, state.config.block_size).values()),
+        "n": n,
+        "num_prompts": len(prompts),
+        "prompt_tokens": sum(map(len, prompts)),
+        "new_tokens": new_tokens,
+        "block_size": state.config.block_size,
+        "block_bytes": sum(block_bytes(state.layers, state.config.block_size).values()),
         "parallel": run([(p, {"num_return_sequences": n}) for p in prompts]),
         "independent": run([(p, {}) for p in prompts for _ in range(n)]),
     }

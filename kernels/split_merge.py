@@ -24,10 +24,10 @@ def _merge_splits_kernel(
     split_ok = offs_s < num_splits
     row = (token * NUM_HEADS + head) * num_splits + offs_s
     m = tl.load(split_max_ptr + row, mask=split_ok, other=float("-inf"))
-    l = tl.load(split_sum_ptr + row, mask=split_ok, other=0.0)
+    sums = tl.load(split_sum_ptr + row, mask=split_ok, other=0.0)
     m_max = tl.max(m, 0)
     weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits: exp2(-inf) = 0
-    denom = tl.sum(l * weight, 0)
+    denom = tl.sum(sums * weight, 0)
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     acc = tl.load(split_acc_ptr + row[:, None] * HEAD_DIM_V_PAD + offs_dv[None, :], mask=split_ok[:, None], other=0.0)
     out = tl.sum(acc * weight[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)

@@ -55,9 +55,25 @@ def warm_up(
         seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=device)
         cu = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
         q = torch.randn(num_tokens, num_heads, head_dim, dtype=dtype, device=device)
-        paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu, scale=head_dim**-0.5,
-                        sliding_window=sliding_window, softcap=softcap, max_seqlen_q=max_q, max_seqlen_k=context)
+        paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            cu,
+            scale=head_dim**-0.5,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            max_seqlen_q=max_q,
+            max_seqlen_k=context,
+        )
         slots = torch.full((num_tokens,), -1, dtype=torch.int32, device=device)
         kv = torch.zeros(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
-        store_kv(kv, torch.zeros(num_tokens, num_kv_heads, v_cache.shape[3], dtype=dtype, device=device),
-                 k_cache, v_cache, slots)
+        store_kv(
+            kv,
+            torch.zeros(num_tokens, num_kv_heads, v_cache.shape[3], dtype=dtype, device=device),
+            k_cache,
+            v_cache,
+            slots,
+        )

@@ -30,6 +30,4 @@ def make_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tokenizer.train_from_iterator(CORPUS, trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>")

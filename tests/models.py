@@ -12,18 +12,34 @@ MAX_POS = 512
 # (at default init tiny models repeat one token forever); Gemma2 stays varied only near 0.02.
 ARCHS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3)),
-    "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8, initializer_range=0.3)),
+    "mistral": (
+        "MistralConfig",
+        dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8, initializer_range=0.3),
+    ),
     "qwen2": (
         "Qwen2Config",
-        dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
-             max_window_layers=1, initializer_range=0.3),
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=1,
+            initializer_range=0.3,
+        ),
     ),
     "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16, initializer_range=0.3)),
     "gemma2": (
         "Gemma2Config",
-        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
-             attn_logit_softcapping=1.5, final_logit_softcapping=30.0, query_pre_attn_scalar=16,
-             initializer_range=0.02),
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=8,
+            attn_logit_softcapping=1.5,
+            final_logit_softcapping=30.0,
+            query_pre_attn_scalar=16,
+            initializer_range=0.02,
+        ),
     ),
     "phi3": ("Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, initializer_range=0.3)),
     "gpt2": ("GPT2Config", dict(n_head=4, n_embd=64, n_layer=2, n_positions=MAX_POS, initializer_range=0.3)),
@@ -63,5 +79,5 @@ def reference_generate(model, prompts: list[list[int]], **kwargs) -> list[list[i
     with torch.no_grad():
         for p in prompts:
             seq = model.generate(torch.tensor([p], device=model.device), **kwargs)
-            out.append(seq[0, len(p):].tolist())
+            out.append(seq[0, len(p) :].tolist())
     return out

@@ -3,11 +3,11 @@
 import pytest
 import torch
 import transformers
+from models import VOCAB, make_model, random_prompts, reference_generate
 from transformers import AutoModelForCausalLM
 
 import hfpaged
 from hfpaged.model.attention import ATTENTION_NAME
-from models import VOCAB, make_model, random_prompts, reference_generate
 
 
 @pytest.fixture
@@ -82,7 +82,10 @@ def test_default_pool_size_on_cpu_is_bounded():
     "name,cfg",
     [
         ("FalconConfig", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=VOCAB)),
-        ("GPTJConfig", dict(n_embd=64, n_head=4, n_layer=2, vocab_size=VOCAB, rotary_dim=8, bos_token_id=1, eos_token_id=2)),
+        (
+            "GPTJConfig",
+            dict(n_embd=64, n_head=4, n_layer=2, vocab_size=VOCAB, rotary_dim=8, bos_token_id=1, eos_token_id=2),
+        ),
         ("BloomConfig", dict(hidden_size=64, n_head=4, n_layer=2, vocab_size=VOCAB)),
     ],
 )
@@ -133,7 +136,11 @@ def test_empty_prompt_list_returns_empty(model):
         ([[5, VOCAB + 3]], {}, rf"prompt 0 has token id {VOCAB + 3} outside the vocabulary \[0, {VOCAB}\)"),
         ([[5, -1]], {}, "prompt 0 has token id -1 outside"),
         ([[4], [5] * 600], {"max_new_tokens": 5}, "prompt 1 has 600 tokens, more than the model's maximum of 512"),
-        ([[4] * 10], {"max_new_tokens": 200}, r"prompt 0 needs up to 209 KV slots \(53 blocks of 4\) but the pool holds only 40"),
+        (
+            [[4] * 10],
+            {"max_new_tokens": 200},
+            r"prompt 0 needs up to 209 KV slots \(53 blocks of 4\) but the pool holds only 40",
+        ),
         ([[4]], {"do_sample": True, "temperature": -1.0}, "temperature must be > 0"),
         ([[4]], {"do_sample": True, "top_p": 1.5}, r"top_p must be in \(0, 1\]"),
         ([[4]], {"do_sample": True, "top_p": 0.0}, r"top_p must be in \(0, 1\]"),

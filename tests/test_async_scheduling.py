@@ -7,10 +7,10 @@ next step too, and that extra row is dropped. Outputs must equal the synchronous
 
 import pytest
 import torch
-
-import hfpaged
 from bpe_tokenizer import make_tokenizer
 from models import make_model, random_prompts, reference_generate
+
+import hfpaged
 
 DEVICES = [
     "cpu",
@@ -48,8 +48,15 @@ def test_overlapped_greedy_equals_generate_with_eos_and_preemption(device, preem
     eos = eos_mid_way(model, prompts, device)
     expected = reference_generate(model, prompts, max_new_tokens=24, do_sample=False, eos_token_id=eos)
     assert any(len(e) < 24 for e in expected), "eos never stopped a prompt mid-way"
-    hfpaged.patch(model, num_blocks=26, block_size=4, max_num_seqs=3, max_num_batched_tokens=24,
-                  preemption_mode=preemption_mode, swap_space=0.001)
+    hfpaged.patch(
+        model,
+        num_blocks=26,
+        block_size=4,
+        max_num_seqs=3,
+        max_num_batched_tokens=24,
+        preemption_mode=preemption_mode,
+        swap_space=0.001,
+    )
     got, engine, _ = run_engine(model, prompts, max_new_tokens=24, do_sample=False, eos_token_id=eos)
     assert got == expected
     assert engine.core.num_overlapped_steps > 0
@@ -91,7 +98,12 @@ def test_outputs_arrive_one_step_late_and_a_length_stop_is_not_planned_again():
     assert got == [expected]
     # step 1 prefills (nothing read yet); steps 2-3 decode and read the token before; step 4 only reads the
     # third token: the request reached max_new_tokens with it, so it was not planned into another forward
-    assert [[o.new_token_ids for o in step] for step in per_step] == [[], [expected[:1]], [expected[1:2]], [expected[2:]]]
+    assert [[o.new_token_ids for o in step] for step in per_step] == [
+        [],
+        [expected[:1]],
+        [expected[1:2]],
+        [expected[2:]],
+    ]
     assert per_step[-1][0].finished and per_step[-1][0].finish_reason == "length"
     runner = engine.runner
     assert runner.num_eager_steps + runner.num_graph_steps == 3  # as many forwards as the synchronous engine
@@ -138,13 +150,18 @@ def test_overlapped_stop_strings_and_prefix_cache_equal_generate():
     free = reference_generate(model, prompts, max_new_tokens=12, do_sample=False)
     # a stop string that free-running decoding of the first prompt produces mid-way
     text = tokenizer.decode(free[0])
-    stop = next((text[i : i + 2] for i in range(2, len(text) - 2) if text[i : i + 2].isprintable()
-                 and text[i : i + 2].strip()), None)
+    stop = next(
+        (text[i : i + 2] for i in range(2, len(text) - 2) if text[i : i + 2].isprintable() and text[i : i + 2].strip()),
+        None,
+    )
     assert stop is not None, text
-    expected = reference_generate(model, prompts, max_new_tokens=12, do_sample=False, stop_strings=[stop],
-                                  tokenizer=tokenizer)
+    expected = reference_generate(
+        model, prompts, max_new_tokens=12, do_sample=False, stop_strings=[stop], tokenizer=tokenizer
+    )
     assert len(expected[0]) < 12
-    hfpaged.patch(model, num_blocks=40, block_size=4, max_num_seqs=1, tokenizer=tokenizer)  # one after another: later prompts hit the cache
+    hfpaged.patch(
+        model, num_blocks=40, block_size=4, max_num_seqs=1, tokenizer=tokenizer
+    )  # one after another: later prompts hit the cache
     got, engine, _ = run_engine(model, prompts, max_new_tokens=12, do_sample=False, stop_strings=[stop])
     assert got == expected
     assert engine.core.num_overlapped_steps > 0

@@ -4,9 +4,9 @@ preempt; the pool is all free after every run."""
 
 import pytest
 import torch
+from models import make_model, random_prompts
 
 import hfpaged
-from models import make_model, random_prompts
 
 LENGTHS = [3, 9, 17]
 NEW = 12
@@ -21,7 +21,10 @@ def stock_beams(model, prompts, **kwargs):
             g = model.generate(ids, return_dict_in_generate=True, output_scores=True, **kwargs)
             lengths = (g.beam_indices != -1).sum(dim=-1).tolist()
             out.append(
-                [(g.sequences[i, len(p) : len(p) + n].tolist(), float(g.sequences_scores[i])) for i, n in enumerate(lengths)]
+                [
+                    (g.sequences[i, len(p) : len(p) + n].tolist(), float(g.sequences_scores[i]))
+                    for i, n in enumerate(lengths)
+                ]
             )
     return out
 
@@ -68,8 +71,12 @@ def test_beam_search_equals_stock_generate(arch):
     varied = []
     for num_beams, num_return, length_penalty, early_stopping in SETTINGS:
         settings = dict(
-            num_beams=num_beams, num_return_sequences=num_return, length_penalty=length_penalty,
-            early_stopping=early_stopping, do_sample=False, max_new_tokens=NEW,
+            num_beams=num_beams,
+            num_return_sequences=num_return,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            do_sample=False,
+            max_new_tokens=NEW,
         )
         eos = beam_eos(model, prompts, num_beams)
         expected = stock_beams(model, prompts, eos_token_id=eos, **settings)
@@ -104,8 +111,9 @@ def test_beam_search_through_a_tiny_pool_preempts_and_stays_exact(arch):
     model = make_model(arch)
     prompts = random_prompts([3, 9, 17, 5, 11], seed=23)
     eos = beam_eos(model, prompts[:3], 4)
-    settings = dict(num_beams=4, num_return_sequences=2, do_sample=False, max_new_tokens=NEW, eos_token_id=eos,
-                    length_penalty=1.5)
+    settings = dict(
+        num_beams=4, num_return_sequences=2, do_sample=False, max_new_tokens=NEW, eos_token_id=eos, length_penalty=1.5
+    )
     expected = stock_beams(model, prompts, **settings)
     hfpaged.patch(model, num_blocks=28, block_size=4, max_num_seqs=16, max_num_batched_tokens=16)
     assert_same(model.generate_many(prompts, **settings), expected)
@@ -123,8 +131,12 @@ def test_beams_mixed_with_other_requests_in_one_batch_and_swap_mode():
     beams = dict(num_beams=3, num_return_sequences=2, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
     expected = stock_beams(model, prompts, **beams)
     with torch.no_grad():
-        greedy = [model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None)[0, len(p):].tolist()
-                  for p in prompts]
+        greedy = [
+            model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
     # swap preemption: beams are always recomputed, plain requests may be swapped out
     hfpaged.patch(model, num_blocks=34, block_size=4, max_num_seqs=8, preemption_mode="swap", swap_space=0.001)
     mixed = [{"prompt": p, **beams} for p in prompts] + [{"prompt": p, "max_new_tokens": NEW} for p in prompts]
@@ -150,14 +162,21 @@ def test_beam_sampling_runs_is_seeded_and_keeps_its_settings():
     model = make_model("llama")
     prompts = random_prompts([4, 10], seed=26)
     hfpaged.patch(model, num_blocks=64, block_size=4)
-    settings = dict(num_beams=3, num_return_sequences=3, do_sample=True, top_k=4, temperature=0.7, max_new_tokens=8,
-                    eos_token_id=None)
+    settings = dict(
+        num_beams=3,
+        num_return_sequences=3,
+        do_sample=True,
+        top_k=4,
+        temperature=0.7,
+        max_new_tokens=8,
+        eos_token_id=None,
+    )
     state = torch.random.get_rng_state()
     a = model.generate_many(prompts, seed=5, **settings)
     assert torch.equal(torch.random.get_rng_state(), state)  # the global generator is left as it was
     b = model.generate_many(prompts, seed=5, **settings)
     c = model.generate_many(prompts, seed=6, **settings)
-    ids = lambda results: [[s.token_ids for s in r.sequences] for r in results]  # noqa: E731
+    ids = lambda results: [[s.token_ids for s in r.sequences] for r in results]
     assert ids(a) == ids(b) and ids(a) != ids(c)
     for result in a:
         assert len(result.sequences) == 3 and all(len(s.token_ids) == 8 for s in result.sequences)
@@ -205,11 +224,13 @@ def test_engine_reports_each_returned_sequence_and_abort_frees_the_group():
 def test_cuda_beam_search_with_triton_and_graphs(enforce_eager):
     model = make_model("llama").cuda()
     prompts = random_prompts([3, 9, 17, 5, 11], seed=23)
-    settings = dict(num_beams=4, num_return_sequences=2, do_sample=False, max_new_tokens=NEW, eos_token_id=None,
-                    length_penalty=1.5)
+    settings = dict(
+        num_beams=4, num_return_sequences=2, do_sample=False, max_new_tokens=NEW, eos_token_id=None, length_penalty=1.5
+    )
     expected = stock_beams(model, prompts, **settings)
-    hfpaged.patch(model, num_blocks=28, block_size=4, max_num_seqs=16, max_num_batched_tokens=16,
-                  enforce_eager=enforce_eager)
+    hfpaged.patch(
+        model, num_blocks=28, block_size=4, max_num_seqs=16, max_num_batched_tokens=16, enforce_eager=enforce_eager
+    )
     assert_same(model.generate_many(prompts, **settings), expected)
     assert (model._hfpaged.engine.runner.num_graph_steps > 0) != enforce_eager
     state = torch.cuda.get_rng_state()

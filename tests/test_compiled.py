@@ -6,11 +6,11 @@ here it runs on the CPU, Triton kernels interpreted, and must decode exactly lik
 
 import pytest
 import torch
+from models import make_model, random_prompts, reference_generate
 
 import hfpaged
 from hfpaged.core.runner_output import ModelRunnerOutput, SampledToken
 from hfpaged.model.input_batch import device_views
-from models import make_model, random_prompts, reference_generate
 
 
 @pytest.mark.slow
@@ -19,8 +19,15 @@ def test_compiled_decode_forward_matches_stock_generate():
     prompts = random_prompts([5, 9, 3], seed=1)
     expected = reference_generate(model, prompts, max_new_tokens=6, do_sample=False)
     # the test drives scheduler and runner itself after the prefill: no step may be left in flight
-    hfpaged.patch(model, num_blocks=64, block_size=4, attention_backend="triton", enable_prefix_caching=False,
-                  async_scheduling=False, compile=True)
+    hfpaged.patch(
+        model,
+        num_blocks=64,
+        block_size=4,
+        attention_backend="triton",
+        enable_prefix_caching=False,
+        async_scheduling=False,
+        compile=True,
+    )
     engine = hfpaged.Engine(model)
     for p in prompts:
         engine.add_request(p, max_new_tokens=6, do_sample=False)

@@ -6,9 +6,9 @@ import threading
 
 import pytest
 import torch
+from models import make_model, random_prompts, reference_generate
 
 import hfpaged
-from models import make_model, random_prompts, reference_generate
 
 LENGTHS = [3, 17, 9, 33, 5, 24, 12, 40]
 NEW = 12
@@ -24,7 +24,7 @@ def run_threads(*targets):
             barrier.wait()
             try:
                 fn()
-            except BaseException as exc:  # noqa: BLE001 - reported below
+            except BaseException as exc:
                 errors.append(exc)
 
         return go
@@ -55,6 +55,7 @@ def test_threads_calling_generate_many_each_get_their_own_exact_results(model):
     def caller(i):
         def run():
             got[i] = [r.token_ids for r in model.generate_many(calls[i], max_new_tokens=NEW, do_sample=False)]
+
         return run
 
     run_threads(*(caller(i) for i in range(len(calls))))
@@ -144,6 +145,7 @@ def test_two_models_in_two_threads_are_independent():
                 got.setdefault(id(m), []).append(
                     [r.token_ids for r in m.generate_many(prompts, max_new_tokens=NEW, do_sample=False)]
                 )
+
         return run
 
     run_threads(caller(first), caller(second))
@@ -158,8 +160,9 @@ def test_engine_handles_share_batches_and_get_only_their_outputs(model):
     expected = reference_generate(model, prompts, max_new_tokens=NEW, do_sample=False)
     first, second = hfpaged.Engine(model), hfpaged.Engine(model)
     ids = {first.add_request(p, max_new_tokens=NEW, do_sample=False): (first, i) for i, p in enumerate(prompts[:2])}
-    ids.update({second.add_request(p, max_new_tokens=NEW, do_sample=False): (second, i + 2)
-                for i, p in enumerate(prompts[2:])})
+    ids.update(
+        {second.add_request(p, max_new_tokens=NEW, do_sample=False): (second, i + 2) for i, p in enumerate(prompts[2:])}
+    )
     gained = {rid: [] for rid in ids}
     while first.has_unfinished() or second.has_unfinished():
         for handle in (first, second):

@@ -12,9 +12,9 @@ import random
 
 import pytest
 import torch
+from models import VOCAB, make_model
 
 import hfpaged
-from models import VOCAB, make_model
 
 # cases 126 and 156 swap a request out in a step that schedules nothing else, with overlapped steps: the
 # swap-out copy was skipped and the request resumed from garbage KV (found by running 300 cases)
@@ -26,7 +26,7 @@ def stock(model, prompt, **settings):
     """Stock generate on one prompt: the generated ids of every returned sequence (beams: each at its length)."""
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), return_dict_in_generate=True, **settings)
-    sequences = out.sequences[:, len(prompt):].tolist()
+    sequences = out.sequences[:, len(prompt) :].tolist()
     if out.get("beam_indices") is None:
         return sequences
     lengths = (out.beam_indices != -1).sum(dim=-1).tolist()
@@ -58,8 +58,15 @@ def draw_case(seed):
         async_scheduling=rng.random() < 0.6,
         enable_prefix_caching=rng.random() < 0.7,
     )
-    return dict(arch=ARCHS[seed % len(ARCHS)], prompts=prompts, kinds=kinds, new_tokens=new_tokens,
-                eos_pick=rng.random(), engine=engine, seed=rng.randrange(2**31))
+    return dict(
+        arch=ARCHS[seed % len(ARCHS)],
+        prompts=prompts,
+        kinds=kinds,
+        new_tokens=new_tokens,
+        eos_pick=rng.random(),
+        engine=engine,
+        seed=rng.randrange(2**31),
+    )
 
 
 _models: dict = {}

@@ -3,6 +3,7 @@ their parents' block tables, copies cancelled by preemption, and beam groups adm
 a whole (exact expectations)."""
 
 import pytest
+from test_scheduler import blocks, params, put_running, update
 
 from hfpaged.core.config import EngineConfig
 from hfpaged.core.kv_manager import KVManager
@@ -11,13 +12,21 @@ from hfpaged.core.runner_output import BeamRound, ForkedSample, ModelRunnerOutpu
 from hfpaged.core.scheduler import Scheduler
 from hfpaged.model.input_batch import InputBatch
 from hfpaged.sampling.parallel_sampling import sample_seed
-from test_scheduler import blocks, params, put_running, update
 
 
 def make(num_blocks=16, budget=100, mode="recompute", max_num_seqs=8):
-    config = EngineConfig(block_size=4, num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                          watermark=0.0, enable_prefix_caching=False, preemption_mode=mode)
-    return Scheduler(config, KVManager(num_blocks, 4, enable_prefix_caching=False, num_cpu_blocks=8 if mode == "swap" else 0))
+    config = EngineConfig(
+        block_size=4,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs,
+        watermark=0.0,
+        enable_prefix_caching=False,
+        preemption_mode=mode,
+    )
+    return Scheduler(
+        config, KVManager(num_blocks, 4, enable_prefix_caching=False, num_cpu_blocks=8 if mode == "swap" else 0)
+    )
 
 
 def prefilled(s, rid="p", n=6, token=50):
@@ -88,7 +97,9 @@ def test_update_forks_children_with_their_own_tokens_and_stop_checks():
     outputs = s.update_from_output(out, ModelRunnerOutput([SampledToken("p", 50)], forks={"p": forks}))
     children = parent.group.members[1:]
     assert [(o.request_id, o.prompt_id, o.sequence_index, o.new_token_ids) for o in outputs] == [
-        ("p", "p", 0, [50]), ("p.1", "p", 1, [99]), ("p.2", "p", 2, [52])
+        ("p", "p", 0, [50]),
+        ("p.1", "p", 1, [99]),
+        ("p.2", "p", 2, [52]),
     ]
     assert [r.output_token_ids for r in parent.group.members] == [[50], [99], [52]]
     assert parent.num_forks_pending == 0

@@ -3,9 +3,9 @@ stock ``generate`` + ``compute_transition_scores(..., normalize_logits=True)`` g
 
 import pytest
 import torch
+from models import make_model, random_prompts
 
 import hfpaged
-from models import make_model, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +21,7 @@ def stock_scores(model, prompt, forced_tokens=None, monkeypatch=None, **kwargs):
         queue = list(forced_tokens)
         monkeypatch.setattr(torch, "multinomial", lambda probs, num_samples: torch.tensor([[queue.pop(0)]]))
     with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), output_scores=True, return_dict_in_generate=True, **kwargs
-        )
+        out = model.generate(torch.tensor([prompt]), output_scores=True, return_dict_in_generate=True, **kwargs)
     if forced_tokens is not None:
         monkeypatch.undo()
     scores = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)[0]

@@ -5,10 +5,10 @@ import warnings
 
 import pytest
 import torch
+from models import make_model, random_prompts, reference_generate
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 import hfpaged
-from models import make_model, random_prompts, reference_generate
 
 NEW = 12
 
@@ -54,15 +54,29 @@ def settings(plain):
         "forced_eos_token_id": dict(forced_eos_token_id=5, max_new_tokens=6),
         "eos_token_id_list": dict(eos_token_id=[e0, e1]),
         "max_length": dict(max_length=14, max_new_tokens=None),
-        "stacked": dict(repetition_penalty=1.2, no_repeat_ngram_size=2, suppress_tokens=[plain[2][2]], min_new_tokens=3),
+        "stacked": dict(
+            repetition_penalty=1.2, no_repeat_ngram_size=2, suppress_tokens=[plain[2][2]], min_new_tokens=3
+        ),
     }
 
 
 NAMES = [
-    "repetition_penalty", "repetition_reward", "encoder_repetition_penalty", "no_repeat_ngram_size", "bad_words_ids",
-    "sequence_bias", "min_length", "min_new_tokens", "suppress_tokens", "begin_suppress_tokens",
-    "exponential_decay_length_penalty", "renormalize_logits", "forced_eos_token_id", "eos_token_id_list",
-    "max_length", "stacked",
+    "repetition_penalty",
+    "repetition_reward",
+    "encoder_repetition_penalty",
+    "no_repeat_ngram_size",
+    "bad_words_ids",
+    "sequence_bias",
+    "min_length",
+    "min_new_tokens",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "exponential_decay_length_penalty",
+    "renormalize_logits",
+    "forced_eos_token_id",
+    "eos_token_id_list",
+    "max_length",
+    "stacked",
 ]
 
 
@@ -80,7 +94,14 @@ def test_greedy_processor_matches_stock_generate(model, prompts, plain, name):
 
 def test_each_prompt_gets_its_own_settings_in_one_batch(model, prompts, plain):
     table = settings(plain)
-    names = ["repetition_penalty", "min_new_tokens", "bad_words_ids", "no_repeat_ngram_size", "sequence_bias", "max_length"]
+    names = [
+        "repetition_penalty",
+        "min_new_tokens",
+        "bad_words_ids",
+        "no_repeat_ngram_size",
+        "sequence_bias",
+        "max_length",
+    ]
     batch = [{"prompt": prompts[i % 3], **table[name]} for i, name in enumerate(names)]
     batch.append(prompts[0])  # plain greedy alongside
     with warnings.catch_warnings():
@@ -101,9 +122,22 @@ def test_generation_config_list_and_dict_precedence(model, prompts, plain):
     # call kwargs apply over each prompt's config; a prompt dict's own settings win over the call's
     batch = [prompts[0], prompts[1], {"prompt": prompts[2], "no_repeat_ngram_size": 2}]
     got = [r.token_ids for r in model.generate_many(batch, configs, do_sample=False, max_new_tokens=NEW)]
-    assert got[0] == reference_generate(model, [prompts[0]], generation_config=configs[0], max_new_tokens=NEW, do_sample=False)[0]
+    assert (
+        got[0]
+        == reference_generate(model, [prompts[0]], generation_config=configs[0], max_new_tokens=NEW, do_sample=False)[0]
+    )
     assert got[1] == plain[1]
-    assert got[2] == reference_generate(model, [prompts[2]], generation_config=configs[2], no_repeat_ngram_size=2, max_new_tokens=NEW, do_sample=False)[0]
+    assert (
+        got[2]
+        == reference_generate(
+            model,
+            [prompts[2]],
+            generation_config=configs[2],
+            no_repeat_ngram_size=2,
+            max_new_tokens=NEW,
+            do_sample=False,
+        )[0]
+    )
     with pytest.raises(ValueError, match="list of 2 configs for 3 prompts"):
         model.generate_many(prompts, configs[:2])
     with pytest.raises(ValueError, match="without a 'prompt' key"):
@@ -187,7 +221,11 @@ def test_presence_frequency_and_logit_bias_follow_vllm_semantics(model, prompts,
     for prompt, result in zip(prompts, got):
         reference = VllmAdjustments(len(prompt), 0.8, 0.6, bias)
         expected = reference_generate(
-            model, [prompt], max_new_tokens=NEW, do_sample=False, repetition_penalty=1.1,
+            model,
+            [prompt],
+            max_new_tokens=NEW,
+            do_sample=False,
+            repetition_penalty=1.1,
             logits_processor=LogitsProcessorList([reference]),
         )[0]
         assert result.token_ids == expected
@@ -220,7 +258,10 @@ def test_max_time_stops_from_arrival(model, prompts):
         (dict(attention_mask=torch.ones(1, 5)), "attention_mask"),
         (dict(output_scores=True, return_dict_in_generate=True), "return_logprobs"),
         (dict(num_return_sequences=2), "Greedy methods .* .num_return_sequences. different than 1"),
-        (dict(num_beams=2, num_return_sequences=3), "num_return_sequences. .3. has to be smaller or equal to .num_beams"),
+        (
+            dict(num_beams=2, num_return_sequences=3),
+            "num_return_sequences. .3. has to be smaller or equal to .num_beams",
+        ),
         (dict(top_logprobs=-1), "top_logprobs"),
         (dict(stop_strings=["ab"]), "no tokenizer is known"),
     ],
@@ -247,6 +288,9 @@ def test_engine_add_request_takes_the_same_settings(model, prompts, plain):
                 assert out.new_logprobs is None
     expected = model.generate_many([{"prompt": prompts[0], "logit_bias": bias}], max_new_tokens=6, do_sample=False)[0]
     assert gained[first] == expected.token_ids and gained[first][1] != plain[0][1] and len(logprobs) == 6
-    assert gained[second] == reference_generate(model, prompts[1:2], max_new_tokens=4, repetition_penalty=1.5, do_sample=False)[0]
+    assert (
+        gained[second]
+        == reference_generate(model, prompts[1:2], max_new_tokens=4, repetition_penalty=1.5, do_sample=False)[0]
+    )
     with pytest.raises(ValueError, match="streamer"):
         engine.add_request(prompts[0], streamer=object())

@@ -3,11 +3,11 @@ different seeds differ, and first tokens follow the distribution of transformers
 
 import pytest
 import torch
+from models import make_model, random_prompts
 from scipy import stats
 from transformers.generation import logits_process as lp
 
 import hfpaged
-from models import make_model, random_prompts
 
 SAMPLING = dict(do_sample=True, temperature=0.9, top_k=12, top_p=0.95, min_p=0.02, min_new_tokens=10)
 
@@ -53,7 +53,9 @@ def test_a_request_samples_the_same_whatever_shares_its_batch_and_however_it_is_
     hfpaged.patch(other, num_blocks=64, block_size=8, max_num_batched_tokens=5)
     # the decay starts after min_new_tokens: before, eos is -inf and 5.17's processor turns that into NaN (stock
     # generate raises there, and so does generate_many)
-    with_penalty = dict(SAMPLING, repetition_penalty=0.5, no_repeat_ngram_size=2, exponential_decay_length_penalty=(10, 1.1))
+    with_penalty = dict(
+        SAMPLING, repetition_penalty=0.5, no_repeat_ngram_size=2, exponential_decay_length_penalty=(10, 1.1)
+    )
     x = model.generate_many([target, *companions], max_new_tokens=14, **with_penalty)[0].token_ids
     y = other.generate_many([*companions[:2], target], max_new_tokens=14, **with_penalty)[2].token_ids
     assert x == y and x != alone

@@ -4,10 +4,10 @@ stop strings that span several tokens and end inside a token."""
 import warnings
 
 import pytest
-
-import hfpaged
 from bpe_tokenizer import make_tokenizer
 from models import make_model, reference_generate
+
+import hfpaged
 
 NEW = 16
 TEXTS = ["the stop sign", "question: what", "stars and", "café", "a quick brown"]
@@ -34,7 +34,8 @@ def prompts(tokenizer):
 def base(tokenizer):
     """Greedy settings that keep a random model to printable ASCII tokens (so stop strings can be read)."""
     unreadable = [
-        i for i in range(len(tokenizer))
+        i
+        for i in range(len(tokenizer))
         if i != tokenizer.eos_token_id and not (tokenizer.decode([i]).isascii() and tokenizer.decode([i]).isprintable())
     ]
     return dict(max_new_tokens=NEW, do_sample=False, suppress_tokens=unreadable)

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from models import ARCHS, make_model, random_prompts, reference_generate
 
 import hfpaged
-from models import ARCHS, make_model, random_prompts, reference_generate
 
 pytestmark = pytest.mark.gpu
 
@@ -18,8 +18,9 @@ def test_cuda_float32_parity_triton(arch, enforce_eager):
     prompts = random_prompts(LENGTHS, seed=1)
     expected = reference_generate(model, prompts, max_new_tokens=24, do_sample=False)
     assert sum(len(set(e)) > 3 for e in expected) >= len(expected) // 2
-    hfpaged.patch(model, num_blocks=26, block_size=4, max_num_seqs=3, max_num_batched_tokens=24,
-                  enforce_eager=enforce_eager)
+    hfpaged.patch(
+        model, num_blocks=26, block_size=4, max_num_seqs=3, max_num_batched_tokens=24, enforce_eager=enforce_eager
+    )
     assert model._hfpaged.use_triton
     results = model.generate_many(prompts, max_new_tokens=24, do_sample=False)
     assert [r.token_ids for r in results] == expected
@@ -74,8 +75,12 @@ def test_device_map_layers_on_two_devices_keep_their_kv_there():
     model.lm_head.cuda()
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 
-    add_hook_to_module(model.model.layers[1], AlignDevicesHook(execution_device=torch.device("cuda:0"), io_same_device=False))
-    add_hook_to_module(model.model.norm, AlignDevicesHook(execution_device=torch.device("cuda:0"), io_same_device=False))
+    add_hook_to_module(
+        model.model.layers[1], AlignDevicesHook(execution_device=torch.device("cuda:0"), io_same_device=False)
+    )
+    add_hook_to_module(
+        model.model.norm, AlignDevicesHook(execution_device=torch.device("cuda:0"), io_same_device=False)
+    )
     add_hook_to_module(model.lm_head, AlignDevicesHook(execution_device=torch.device("cuda:0"), io_same_device=False))
     hfpaged.patch(model, num_blocks=32, block_size=4)
     caches = model._hfpaged.kv_caches
@@ -92,8 +97,14 @@ def test_device_map_over_two_gpus_keeps_kv_with_each_layer_and_stays_exact():
     model = make_model("qwen3")
     prompts = random_prompts(LENGTHS, seed=7)
     expected = reference_generate(model, prompts, max_new_tokens=16, do_sample=False)
-    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 1,
-                  "model.norm": 1, "lm_head": 1}
+    device_map = {
+        "model.embed_tokens": 0,
+        "model.rotary_emb": 0,
+        "model.layers.0": 0,
+        "model.layers.1": 1,
+        "model.norm": 1,
+        "lm_head": 1,
+    }
     model = dispatch_model(model, device_map=device_map)
     hfpaged.patch(model, num_blocks=26, block_size=4, max_num_seqs=3, max_num_batched_tokens=24)
     caches = model._hfpaged.kv_caches

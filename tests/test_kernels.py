@@ -4,7 +4,6 @@ Without CUDA the kernels run in Triton's interpreter (fp32/fp16 only: bf16 is br
 small sizes; with CUDA the same cases also run in bf16, plus the `gpu`-marked large cases.
 """
 
-
 import pytest
 import torch
 
@@ -256,10 +255,18 @@ def _small_batch(**overrides):
 @pytest.mark.parametrize(
     "overrides,error,pattern",
     [
-        (lambda b: dict(block_tables=b["block_tables"].long()), TypeError, "block_tables must have dtype in \\(int32\\)"),
+        (
+            lambda b: dict(block_tables=b["block_tables"].long()),
+            TypeError,
+            "block_tables must have dtype in \\(int32\\)",
+        ),
         (lambda b: dict(q=b["q"].half()), TypeError, "k_cache dtype torch.float32 differs from q dtype torch.float16"),
         (lambda b: dict(q=b["q"][..., :16]), ValueError, r"k_cache.shape\[3\] must be 16 .*got 32"),
-        (lambda b: dict(q=b["q"][:, :3]), ValueError, r"num_heads \(q.shape\[1\] = 3\) must be a multiple of num_kv_heads"),
+        (
+            lambda b: dict(q=b["q"][:, :3]),
+            ValueError,
+            r"num_heads \(q.shape\[1\] = 3\) must be a multiple of num_kv_heads",
+        ),
         (lambda b: dict(seq_lens=b["seq_lens"][:1]), ValueError, r"block_tables.shape\[0\] must be 1"),
         (lambda b: dict(cu_seqlens_q=b["cu_seqlens_q"][:2]), ValueError, r"cu_seqlens_q.shape\[0\] must be 3"),
         (lambda b: dict(q=b["q"][0]), ValueError, "q must have 3 dimensions"),
@@ -267,7 +274,18 @@ def _small_batch(**overrides):
         (lambda b: dict(seq_lens=b["seq_lens"].to("meta")), ValueError, "seq_lens is on meta but q is on"),
         (lambda b: dict(k_cache=[1, 2]), TypeError, "k_cache must be a torch.Tensor, got list"),
     ],
-    ids=["table_dtype", "cache_dtype", "head_dim", "gqa", "num_seqs", "cu_len", "q_ndim", "block_size", "device", "type"],
+    ids=[
+        "table_dtype",
+        "cache_dtype",
+        "head_dim",
+        "gqa",
+        "num_seqs",
+        "cu_len",
+        "q_ndim",
+        "block_size",
+        "device",
+        "type",
+    ],
 )
 def test_paged_attention_errors(overrides, error, pattern):
     batch = _small_batch()
@@ -374,7 +392,9 @@ def test_gpu_mixed_batch_bf16(block_size, head_dim):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("q_lens,seq_lens", [([1] * 6, [1, 100, 2000, 5000, 77, 4096]), ([1, 300, 2], [900, 300, 1200])])
+@pytest.mark.parametrize(
+    "q_lens,seq_lens", [([1] * 6, [1, 100, 2000, 5000, 77, 4096]), ([1, 300, 2], [900, 300, 1200])]
+)
 def test_gpu_fp32_is_exact(q_lens, seq_lens):
     # fp32 inputs use IEEE fp32 dots (no tf32): the engine's fp32 parity tests depend on it.
     batch = _gpu_batch(q_lens, seq_lens, dtype=torch.float32, num_heads=8, num_kv_heads=2)

@@ -5,12 +5,11 @@ and the pool is all free after every run."""
 
 import pytest
 import torch
+from models import make_model, random_prompts
 
 import hfpaged
 from hfpaged.sampling.parallel_sampling import sample_seed
 from hfpaged.testing import parallel_sampling_kv
-from models import make_model, random_prompts
-
 
 SAMPLING = dict(do_sample=True, top_k=5, temperature=0.9, max_new_tokens=10, eos_token_id=None)
 
@@ -57,8 +56,15 @@ def test_reproducible_and_independent_of_batch_companions_and_of_pool_pressure()
     stats = hfpaged.stats(model)
     assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == stats["num_blocks"]
     # swap preemption too
-    hfpaged.patch(model, num_blocks=16, block_size=4, max_num_seqs=6, max_num_batched_tokens=12,
-                  preemption_mode="swap", swap_space=0.001)
+    hfpaged.patch(
+        model,
+        num_blocks=16,
+        block_size=4,
+        max_num_seqs=6,
+        max_num_batched_tokens=12,
+        preemption_mode="swap",
+        swap_space=0.001,
+    )
     swapped = model.generate_many([companions[0], target, *companions[1:]], num_return_sequences=2, seed=5, **SAMPLING)
     assert [sequences(r) for r in swapped] == [sequences(r) for r in crowded]
     assert hfpaged.stats(model)["num_swapped_out"] > 0
@@ -87,7 +93,9 @@ def test_each_sequence_keeps_its_own_processor_state_and_stop_conditions(model):
         assert len(bigrams) == len(set(bigrams))
     # an eos that ends some sequences early, not others
     eos = sequences(result)[1][3]
-    stopped = model.generate_many([{"prompt": prompt, "seed": 3}], num_return_sequences=4, **{**settings, "eos_token_id": eos})[0]
+    stopped = model.generate_many(
+        [{"prompt": prompt, "seed": 3}], num_return_sequences=4, **{**settings, "eos_token_id": eos}
+    )[0]
     for ids, s in zip(sequences(result), stopped.sequences):
         cut = ids.index(eos) + 1 if eos in ids else len(ids)
         assert s.token_ids == ids[:cut]
@@ -97,19 +105,22 @@ def test_each_sequence_keeps_its_own_processor_state_and_stop_conditions(model):
 
 def test_logprobs_and_text_per_sequence(model):
     prompt = random_prompts([4], seed=36)[0]
-    result = model.generate_many([prompt], num_return_sequences=3, seed=4, return_logprobs=True, top_logprobs=2,
-                                 **SAMPLING)[0]
+    result = model.generate_many(
+        [prompt], num_return_sequences=3, seed=4, return_logprobs=True, top_logprobs=2, **SAMPLING
+    )[0]
     for j, s in enumerate(result.sequences):
-        alone = model.generate_many([{"prompt": prompt, "seed": sample_seed(4, j)}], return_logprobs=True,
-                                    top_logprobs=2, **SAMPLING)[0]
+        alone = model.generate_many(
+            [{"prompt": prompt, "seed": sample_seed(4, j)}], return_logprobs=True, top_logprobs=2, **SAMPLING
+        )[0]
         assert s.token_ids == alone.token_ids and s.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
         assert len(s.top_logprobs) == len(s.token_ids) and s.text is None
     assert result.logprobs == result.sequences[0].logprobs
 
 
 def test_the_prompt_blocks_are_shared(model):
-    figures = parallel_sampling_kv(model, random_prompts([37, 20], seed=37), n=4, new_tokens=12,
-                                             num_blocks=128, block_size=4)
+    figures = parallel_sampling_kv(
+        model, random_prompts([37, 20], seed=37), n=4, new_tokens=12, num_blocks=128, block_size=4
+    )
     # 37 + 11 slots = 12 blocks per sequence: 4 independent copies of two prompts take 4 x (12 + 8) = 80;
     # shared, each prompt keeps its 9 (resp. 5) full blocks once and every sequence owns the rest
     assert figures["independent"]["peak_blocks"] == 80

@@ -7,10 +7,10 @@ smaller than the longest prompt (chunked prefill).
 
 import pytest
 import torch
+from models import ARCHS, make_model, random_prompts, reference_generate
 
 import hfpaged
 from hfpaged.testing import greedy_parity
-from models import ARCHS, make_model, random_prompts, reference_generate
 
 LENGTHS = [1, 3, 9, 17, 33, 64, 5, 40]
 NEW_TOKENS = 24

@@ -1,16 +1,16 @@
 """Prefix caching: hash chaining, hits at admission, LRU eviction, and unchanged outputs."""
 
 import pytest
+from models import make_model, random_prompts, reference_generate
+from test_scheduler import blocks, params, update
 
 import hfpaged
 from hfpaged.core.block_pool import BlockPool
 from hfpaged.core.config import EngineConfig
 from hfpaged.core.kv_manager import KVManager
 from hfpaged.core.prefix_cache import PrefixCache
-from hfpaged.core.request import Request, RequestStatus
+from hfpaged.core.request import Request
 from hfpaged.core.scheduler import Scheduler
-from models import make_model, random_prompts, reference_generate
-from test_scheduler import blocks, params, update
 
 
 def req(rid, tokens):
@@ -31,8 +31,13 @@ def test_block_hashes_are_chained_through_the_parent():
 
 
 def make_scheduler(num_blocks=16, block_size=4, caching=True):
-    config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_batched_tokens=64, watermark=0.0,
-                          enable_prefix_caching=caching)
+    config = EngineConfig(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=64,
+        watermark=0.0,
+        enable_prefix_caching=caching,
+    )
     return Scheduler(config, KVManager(num_blocks, block_size, enable_prefix_caching=caching))
 
 
@@ -127,8 +132,9 @@ def test_outputs_never_change_with_cache_hits_within_and_across_calls(arch):
     assert [r.token_ids for r in again] == expected[::-1]
     st2 = hfpaged.stats(model)
     assert st2["prefix_cache_hits"] - st["prefix_cache_hits"] >= 20 * len(prompts) // 2
-    hfpaged.patch(model, num_blocks=40, block_size=4, max_num_seqs=3, max_num_batched_tokens=24,
-                  enable_prefix_caching=False)
+    hfpaged.patch(
+        model, num_blocks=40, block_size=4, max_num_seqs=3, max_num_batched_tokens=24, enable_prefix_caching=False
+    )
     off = model.generate_many(prompts, max_new_tokens=10, do_sample=False)
     assert [r.token_ids for r in off] == expected
     assert hfpaged.stats(model)["prefix_cache_hits"] == 0

@@ -8,11 +8,11 @@ import weakref
 import numpy as np
 import pytest
 import torch
+from models import make_model, random_prompts, reference_generate
 from transformers import LogitsProcessor, TextStreamer
 
 import hfpaged
 from hfpaged.sampling.sampler import StepResult
-from models import make_model, random_prompts, reference_generate
 
 
 @pytest.fixture
@@ -226,7 +226,11 @@ def test_deleting_the_model_frees_the_pool_without_a_garbage_collection():
     [
         (5, TypeError, "prompts must be a list of prompts .* got int"),
         (None, TypeError, "prompts must be a list of prompts .* got NoneType"),
-        ([torch.tensor([3.0, 4.5])], TypeError, "prompt 0 is a Tensor of dtype torch.float32; token ids must be integers"),
+        (
+            [torch.tensor([3.0, 4.5])],
+            TypeError,
+            "prompt 0 is a Tensor of dtype torch.float32; token ids must be integers",
+        ),
         ([np.array([3.0, 4.0])], TypeError, "prompt 0 is a ndarray of dtype float64"),
         (torch.tensor([[3.0, 4.0]]), TypeError, "prompts is a Tensor of dtype torch.float32"),
         (torch.zeros(2, 2, 2, dtype=torch.long), ValueError, "3-D Tensor of shape"),
@@ -257,10 +261,13 @@ def test_malformed_settings_name_what_was_wrong(model, kwargs, message):
 def test_numpy_prompts_and_2d_batches_work_like_tensors(model):
     prompts = random_prompts([6, 6, 6], seed=10)
     expected = stock(model, prompts)
-    assert [r.token_ids for r in model.generate_many([np.array(p) for p in prompts], max_new_tokens=8,
-                                                     do_sample=False)] == expected
-    assert [r.token_ids for r in model.generate_many([np.array(p, dtype=np.int32) for p in prompts],
-                                                     max_new_tokens=8, do_sample=False)] == expected
+    assert [
+        r.token_ids for r in model.generate_many([np.array(p) for p in prompts], max_new_tokens=8, do_sample=False)
+    ] == expected
+    assert [
+        r.token_ids
+        for r in model.generate_many([np.array(p, dtype=np.int32) for p in prompts], max_new_tokens=8, do_sample=False)
+    ] == expected
     for batch in (torch.tensor(prompts), np.array(prompts)):
         assert [r.token_ids for r in model.generate_many(batch, max_new_tokens=8, do_sample=False)] == expected
 

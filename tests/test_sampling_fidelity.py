@@ -20,8 +20,13 @@ VOCAB = 64
 def make_request(processors, *, seed=0, do_sample=True, prompt=(5, 6, 7), output=(), return_logprobs=False):
     stages = plan_stages(lp.LogitsProcessorList(processors), user_processors=None, adjustments=[], vocab_size=VOCAB)
     params = RequestParams(
-        generation_config=GenerationConfig(), max_length=10_000, eos_token_ids=frozenset(), do_sample=do_sample,
-        seed=seed, stages=stages, return_logprobs=return_logprobs,
+        generation_config=GenerationConfig(),
+        max_length=10_000,
+        eos_token_ids=frozenset(),
+        do_sample=do_sample,
+        seed=seed,
+        stages=stages,
+        return_logprobs=return_logprobs,
     )
     return CachedRequestState(f"r{seed}", params, list(prompt) + list(output), len(prompt))
 
@@ -45,10 +50,15 @@ WARPER_SETS = {
     "epsilon_cutoff": lambda: [lp.EpsilonLogitsWarper(0.02)],
     "eta_cutoff": lambda: [lp.EtaLogitsWarper(0.05)],
     "temperature+top_k+top_p+min_p": lambda: [
-        lp.TemperatureLogitsWarper(1.3), lp.TopKLogitsWarper(20), lp.TopPLogitsWarper(0.9), lp.MinPLogitsWarper(0.05),
+        lp.TemperatureLogitsWarper(1.3),
+        lp.TopKLogitsWarper(20),
+        lp.TopPLogitsWarper(0.9),
+        lp.MinPLogitsWarper(0.05),
     ],
     "temperature+typical+renormalize": lambda: [
-        lp.TemperatureLogitsWarper(0.9), lp.TypicalLogitsWarper(0.9), lp.LogitNormalization(),
+        lp.TemperatureLogitsWarper(0.9),
+        lp.TypicalLogitsWarper(0.9),
+        lp.LogitNormalization(),
     ],
 }
 
@@ -77,7 +87,9 @@ HISTORY_SETS = {
     ],
     "no_repeat_ngram_2": lambda r: [lp.NoRepeatNGramLogitsProcessor(2)],
     "no_repeat_ngram_3": lambda r: [lp.NoRepeatNGramLogitsProcessor(3)],
-    "sequence_bias": lambda r: [lp.SequenceBiasLogitsProcessor({(9,): -3.0, (7, 8): 4.0, (6, 7, 11): -2.5, (12, 3): 1.0})],
+    "sequence_bias": lambda r: [
+        lp.SequenceBiasLogitsProcessor({(9,): -3.0, (7, 8): 4.0, (6, 7, 11): -2.5, (12, 3): 1.0})
+    ],
     "bad_words": lambda r: [lp.NoBadWordsLogitsProcessor([[9], [7, 8], [8, 5, 13]], eos_token_id=2)],
     "min_length": lambda r: [lp.MinLengthLogitsProcessor(12, [2, 3])],
     "min_new_tokens": lambda r: [lp.MinNewTokensLengthLogitsProcessor(len(r["prompt"]), 5, [2, 4])],
@@ -86,8 +98,10 @@ HISTORY_SETS = {
         lp.SuppressTokensAtBeginLogitsProcessor([3, 4], len(r["prompt"]) + len(r["output"]))
     ],
     "stacked": lambda r: [
-        lp.RepetitionPenaltyLogitsProcessor(1.3), lp.NoRepeatNGramLogitsProcessor(2),
-        lp.MinNewTokensLengthLogitsProcessor(len(r["prompt"]), 9, [2]), lp.LogitNormalization(),
+        lp.RepetitionPenaltyLogitsProcessor(1.3),
+        lp.NoRepeatNGramLogitsProcessor(2),
+        lp.MinNewTokensLengthLogitsProcessor(len(r["prompt"]), 9, [2]),
+        lp.LogitNormalization(),
     ],
 }
 
@@ -102,7 +116,9 @@ def test_history_processors_equal_transformers_row_by_row(num_steps):
         output = torch.randint(3, 16, (i % 5,), generator=gen).tolist()
         spec = {"prompt": prompt, "output": output}
         rows.append((name, spec, HISTORY_SETS[name](spec)))
-    requests = [make_request(procs, seed=i, prompt=s["prompt"], output=s["output"]) for i, (_, s, procs) in enumerate(rows)]
+    requests = [
+        make_request(procs, seed=i, prompt=s["prompt"], output=s["output"]) for i, (_, s, procs) in enumerate(rows)
+    ]
     context = StageContext(VOCAB, torch.device("cpu"))
     for step in range(num_steps):
         batch = torch.stack([fixed_logits(100 * step + i) for i in range(len(rows))])
@@ -118,15 +134,14 @@ def test_history_processors_equal_transformers_row_by_row(num_steps):
 def many_requests(processors, seeds, outputs):
     """Requests sharing one plan of (stateless) warpers, with their own seeds and outputs."""
     template = make_request(processors)
-    return [
-        make_request_like(template, seed, output) for seed, output in zip(seeds, outputs)
-    ]
+    return [make_request_like(template, seed, output) for seed, output in zip(seeds, outputs)]
 
 
 def make_request_like(template, seed, output):
     prompt = template.token_ids[: template.num_prompt_tokens]
-    return CachedRequestState(f"r{seed}-{len(output)}", replace(template.params, seed=seed), prompt + list(output),
-                              len(prompt))
+    return CachedRequestState(
+        f"r{seed}-{len(output)}", replace(template.params, seed=seed), prompt + list(output), len(prompt)
+    )
 
 
 def sample(logits, requests, positions=None):
@@ -181,9 +196,7 @@ def test_sampled_tokens_follow_the_distribution_across_positions_of_one_seed():
 def test_greedy_rows_take_the_argmax_and_logprobs_are_of_the_processed_distribution():
     logits = torch.stack([fixed_logits(i) for i in range(4)])
     procs = [[], [lp.TopKLogitsWarper(5)], [lp.TemperatureLogitsWarper(0.5)], []]
-    requests = [
-        make_request(p, seed=i, do_sample=i % 2 == 1, return_logprobs=True) for i, p in enumerate(procs)
-    ]
+    requests = [make_request(p, seed=i, do_sample=i % 2 == 1, return_logprobs=True) for i, p in enumerate(procs)]
     picks = sample(logits.clone(), requests)
     for row, request in enumerate(requests):
         pick = picks[request.request_id]

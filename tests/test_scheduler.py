@@ -27,8 +27,12 @@ def request(rid, n, **kw):
 
 def make(num_blocks=32, block_size=4, budget=10, max_num_seqs=8, watermark=0.0):
     config = EngineConfig(
-        block_size=block_size, num_blocks=num_blocks, max_num_batched_tokens=budget,
-        max_num_seqs=max_num_seqs, watermark=watermark, enable_prefix_caching=False,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs,
+        watermark=watermark,
+        enable_prefix_caching=False,
     )
     return Scheduler(config, KVManager(num_blocks, block_size, enable_prefix_caching=False))
 

@@ -5,12 +5,12 @@ import asyncio
 import warnings
 
 import pytest
+from bpe_tokenizer import make_tokenizer
+from models import make_model, reference_generate
 from transformers import TextIteratorStreamer, TextStreamer
 
 import hfpaged
 from hfpaged.detokenizer import IncrementalDetokenizer
-from bpe_tokenizer import make_tokenizer
-from models import make_model, reference_generate
 
 NEW = 12
 TEXTS = ["the stop sign", "question: what is", "stars and", "café naïve", "a quick brown fox", "中文 🙂"]
@@ -85,7 +85,7 @@ def test_closing_a_stream_early_aborts_and_frees_its_blocks(model, prompts):
     assert all(not e.finished for e in first)
     stats = hfpaged.stats(model)
     assert stats["num_free_blocks"] == stats["num_blocks"]
-    for event in model.stream_many(prompts, max_new_tokens=NEW):  # break: the generator is collected
+    for _ in model.stream_many(prompts, max_new_tokens=NEW):  # break: the generator is collected
         break
     stats = hfpaged.stats(model)
     assert stats["num_free_blocks"] == stats["num_blocks"]

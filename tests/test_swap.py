@@ -1,20 +1,25 @@
 """Swap preemption: blocks move to CPU swap space and back; outputs identical to recompute."""
 
 import pytest
-import torch
+from models import make_model, random_prompts, reference_generate
+from test_scheduler import blocks, params, update
 
 import hfpaged
 from hfpaged.core.config import EngineConfig
 from hfpaged.core.kv_manager import KVManager
 from hfpaged.core.request import Request, RequestStatus
 from hfpaged.core.scheduler import Scheduler
-from models import make_model, random_prompts, reference_generate
-from test_scheduler import blocks, params, update
 
 
 def make(num_blocks=4, cpu_blocks=8):
-    config = EngineConfig(block_size=4, num_blocks=num_blocks, max_num_batched_tokens=100, watermark=0.0,
-                          enable_prefix_caching=False, preemption_mode="swap")
+    config = EngineConfig(
+        block_size=4,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=100,
+        watermark=0.0,
+        enable_prefix_caching=False,
+        preemption_mode="swap",
+    )
     return Scheduler(config, KVManager(num_blocks, 4, enable_prefix_caching=False, num_cpu_blocks=cpu_blocks))
 
 
@@ -76,8 +81,16 @@ def test_swap_and_recompute_give_identical_outputs_under_a_tiny_pool(arch):
     prompts = random_prompts([5, 30, 12, 44, 3, 21, 9], seed=30)
     expected = reference_generate(model, prompts, max_new_tokens=20, do_sample=False)
     for mode in ("swap", "recompute"):
-        hfpaged.patch(model, num_blocks=30, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
-                      preemption_mode=mode, swap_space=0.01, enable_prefix_caching=False)
+        hfpaged.patch(
+            model,
+            num_blocks=30,
+            block_size=4,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            preemption_mode=mode,
+            swap_space=0.01,
+            enable_prefix_caching=False,
+        )
         results = model.generate_many(prompts, max_new_tokens=20, do_sample=False)
         assert [r.token_ids for r in results] == expected, mode
         st = hfpaged.stats(model)

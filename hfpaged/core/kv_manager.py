@@ -59,11 +59,11 @@ class KVManager:
         """Blocks that can be handed out now (cached-but-unreferenced ones included)."""
         return self.pool.num_free_blocks
 
-    def block_ids(self, request: "Request") -> list[int]:
+    def block_ids(self, request: Request) -> list[int]:
         """The request's block table (empty when it holds no GPU blocks)."""
         return self._blocks.get(request.request_id, [])
 
-    def cpu_block_ids(self, request: "Request") -> list[int]:
+    def cpu_block_ids(self, request: Request) -> list[int]:
         return self._cpu_blocks.get(request.request_id, [])
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -74,7 +74,7 @@ class KVManager:
 
     # --- GPU blocks -------------------------------------------------------------------------------
 
-    def lookup_prefix(self, request: "Request") -> list[int]:
+    def lookup_prefix(self, request: Request) -> list[int]:
         """Cached blocks that can stand for the request's leading tokens (none without prefix caching)."""
         if self.prefix_cache is None:
             return []
@@ -82,7 +82,7 @@ class KVManager:
         return self.prefix_cache.find_hits(request.all_token_ids, hashes, request.num_tokens)
 
     def allocate(
-        self, request: "Request", num_tokens: int, keep_free: int = 0, prefix_hits: list[int] | None = None
+        self, request: Request, num_tokens: int, keep_free: int = 0, prefix_hits: list[int] | None = None
     ) -> bool:
         """Give ``request`` blocks for its first ``num_tokens`` positions if the pool has them, leaving at
         least ``keep_free`` free; False (and nothing changed) otherwise.
@@ -125,7 +125,7 @@ class KVManager:
         self._changed_from[rid] = min(self._changed_from.get(rid, changed), changed)
         return True
 
-    def free(self, request: "Request", keep_hashes: bool = False) -> None:
+    def free(self, request: Request, keep_hashes: bool = False) -> None:
         """Release the request's GPU and CPU blocks (its hashes too, unless it will be recomputed)."""
         rid = request.request_id
         blocks = self._cancel_copies(rid)
@@ -140,7 +140,7 @@ class KVManager:
         if not keep_hashes:
             self._hashes.pop(rid, None)
 
-    def fork(self, child: "Request", parent: "Request") -> None:
+    def fork(self, child: Request, parent: Request) -> None:
         """``child`` shares every block of ``parent`` (one more reference each); their common last block,
         if partly filled, is copied on write by whichever writes into it first."""
         blocks = self.block_ids(parent)
@@ -151,14 +151,18 @@ class KVManager:
         self._num_registered[cid] = self._num_registered.get(parent.request_id, 0)
         self._changed_from[cid] = 0
 
-    def share(self, targets: list["Request"], sources: list["Request"]) -> None:
+    def share(self, targets: list[Request], sources: list[Request]) -> None:
         """Each ``targets[j]`` takes over the blocks of ``sources[j]`` (beam search: beam j continues it).
 
         The new references are taken before the targets' old blocks are released, so a block some target
         keeps is never freed in between; blocks no target keeps return to the pool.
         """
         taken = [
-            (list(self.block_ids(s)), list(self._hashes.get(s.request_id, [])), self._num_registered.get(s.request_id, 0))
+            (
+                list(self.block_ids(s)),
+                list(self._hashes.get(s.request_id, [])),
+                self._num_registered.get(s.request_id, 0),
+            )
             for s in sources
         ]
         for blocks, _, _ in taken:
@@ -171,7 +175,7 @@ class KVManager:
             self._num_registered[tid] = num_registered
             self._changed_from[tid] = 0
 
-    def register_computed(self, request: "Request") -> None:
+    def register_computed(self, request: Request) -> None:
         """Publish the request's blocks that became full and computed since the last call."""
         if self.prefix_cache is None:
             return
@@ -196,7 +200,7 @@ class KVManager:
 
     # --- swap space -------------------------------------------------------------------------------
 
-    def swap_out(self, request: "Request") -> tuple[list[int], list[int]] | None:
+    def swap_out(self, request: Request) -> tuple[list[int], list[int]] | None:
         """Move the request's blocks to CPU swap space: ``(gpu ids, cpu ids)`` to copy, or None if it has no room.
 
         Its GPU blocks go back to the pool at once: the copy runs at the start of the next forward, before
@@ -215,7 +219,7 @@ class KVManager:
         self._cpu_blocks[rid] = cpu_ids
         return gpu_ids, cpu_ids
 
-    def swap_in(self, request: "Request", num_tokens: int, keep_free: int = 0) -> tuple[list[int], list[int]] | None:
+    def swap_in(self, request: Request, num_tokens: int, keep_free: int = 0) -> tuple[list[int], list[int]] | None:
         """GPU blocks for a swapped-out request's first ``num_tokens`` positions: ``(cpu ids, gpu ids)`` to copy
         back, or None when the pool lacks them. Its CPU blocks are free again once the copy has run."""
         rid = request.request_id
@@ -232,7 +236,7 @@ class KVManager:
 
     # --- what the runner must hear of -------------------------------------------------------------
 
-    def take_table_update(self, request: "Request") -> tuple[int, list[int]] | None:
+    def take_table_update(self, request: Request) -> tuple[int, list[int]] | None:
         """``(start, block ids from start)`` when the table changed since the last call, else None."""
         start = self._changed_from.pop(request.request_id, None)
         if start is None:

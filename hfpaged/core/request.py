@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ..sampling.beam_search import BeamSearch
     from ..sampling.params import RequestParams
+    from .runner_output import SampledToken
 
 
 class RequestStatus(enum.Enum):
@@ -24,16 +25,23 @@ class RequestGroup:
     The first member (the root) prefills the prompt; the others fork off it when it samples its first token.
     """
 
-    def __init__(self, root: "Request", num_sequences: int, beam_search: "BeamSearch | None" = None):
+    def __init__(self, root: Request, num_sequences: int, beam_search: BeamSearch | None = None):
         self.members = [root]
         self.num_sequences = num_sequences
         self.beam_search = beam_search
         root.group = self
         root.num_forks_pending = num_sequences - 1
 
-    @property
-    def is_beam_search(self) -> bool:
-        return self.beam_search is not None
+    def add_member(self, request_id: str, params: RequestParams, sequence_index: int) -> Request:
+        """A new sequence of the group's prompt, forking off its first request."""
+        root = self.members[0]
+        member = Request(request_id, root.prompt_token_ids, params, index=root.index)
+        member.prompt_id = root.prompt_id
+        member.group = self
+        member.sequence_index = sequence_index
+        member.arrival_time = root.arrival_time
+        self.members.append(member)
+        return member
 
 
 class Request:
@@ -48,7 +56,7 @@ class Request:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: "RequestParams",
+        params: RequestParams,
         index: int | None = None,
     ):
         self.request_id = request_id
@@ -93,9 +101,24 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     @property
-    def members(self) -> list["Request"]:
+    def beam_search(self) -> BeamSearch | None:
+        """The beam search this request is a beam of, if any."""
+        return self.group.beam_search if self.group is not None else None
+
+    @property
+    def members(self) -> list[Request]:
         """Every sequence of this request's prompt (itself alone unless it is part of a group)."""
         return self.group.members if self.group is not None else [self]
+
+    def append_sampled(self, sampled: SampledToken) -> None:
+        """Append a sampled token (and its log-probabilities when the request keeps them)."""
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.all_token_ids.append(sampled.token_id)
+        if self.logprobs is not None and sampled.logprob is not None:
+            self.logprobs.append(sampled.logprob)
+            if self.top_logprobs is not None:
+                self.top_logprobs.append(sampled.top_logprobs if sampled.top_logprobs is not None else {})
 
     def __repr__(self) -> str:
         return (

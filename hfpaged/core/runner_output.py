@@ -25,7 +25,7 @@ class ForkedSample:
     """A sequence forked off a parent at the parent's first sample (parallel sampling)."""
 
     sequence_index: int
-    params: "RequestParams"
+    params: RequestParams
     sampled: SampledToken
 
 

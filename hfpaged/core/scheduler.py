@@ -11,10 +11,8 @@ Policy (vLLM v1's framing, no separate prefill/decode phases):
 A request is sampled only in a step that brings it fully up to date. Blocks are the KV manager's: the
 scheduler asks it and never touches block ids or reference counts.
 
-The k beams of a beam search group are admitted and preempted together, by recompute: a group is either
-wholly running or wholly waiting. A beam whose row of the current round is computed has no token to
-compute, so it is simply not scheduled until its group has selected the next tokens.
-
+The k beams of a beam search group are admitted and preempted together, by recompute (a group is wholly
+running or wholly waiting); a beam whose row of the round is computed waits for its group's selection.
 ``update_from_output`` is the other half of a step: it appends the runner's sampled tokens, forks parallel
 samples, moves beams on, checks stop conditions, frees finished requests and returns their outputs.
 """
@@ -23,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from ..outputs import RequestOutput, make_request_output
 from ..sampling.stopping import check_stops
@@ -31,6 +30,9 @@ from .kv_manager import KVManager
 from .request import Request, RequestStatus
 from .runner_output import BeamRound, ModelRunnerOutput, SampledToken
 from .scheduler_output import CachedRequestData, NewRequestData, ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from ..sampling.params import RequestParams
 
 COUNTER_NAMES = ("num_preemptions", "num_swapped_out", "prefix_cache_queries", "prefix_cache_hits")
 
@@ -90,8 +92,8 @@ class Scheduler:
         if request is None:
             return []
         members = [m for m in request.members if not m.is_finished]
-        if request.group is not None and request.group.beam_search is not None:
-            request.group.beam_search.aborted = True
+        if request.beam_search is not None:
+            request.beam_search.aborted = True
         for member in members:
             self.finish(member, "abort")
         return members
@@ -125,11 +127,10 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> list[Request]:
         """Preempt ``request``, or every beam of its group with it; returns the requests preempted."""
-        group = request.group
-        if group is None or group.beam_search is None:
+        if request.beam_search is None:
             self._preempt_one(request, out, allow_swap=True)
             return [request]
-        members = [m for m in group.members if m.status is RequestStatus.RUNNING]
+        members = [m for m in request.group.members if m.status is RequestStatus.RUNNING]
         for member in reversed(members):  # back to the front of waiting together, in beam order
             self._preempt_one(member, out, allow_swap=False)
         return members
@@ -180,12 +181,16 @@ class Scheduler:
         for member in members:
             num_new = self._admit(member, budget, 0) if budget > 0 else 0
             self.waiting.remove(member)
-            member.status = RequestStatus.RUNNING
-            self.running.append(member)
-            if num_new:
-                scheduled[member.request_id] = _scheduled(member, num_new)
-                budget -= num_new
+            budget -= self._run(member, num_new, scheduled)
         return budget
+
+    def _run(self, request: Request, num_tokens: int, scheduled: dict[str, ScheduledRequest]) -> int:
+        """``request`` joins the running ones, with ``num_tokens`` to compute this step (if any); returns them."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        if num_tokens:
+            scheduled[request.request_id] = _scheduled(request, num_tokens)
+        return num_tokens
 
     # --- one step ---------------------------------------------------------------------------------
 
@@ -199,7 +204,8 @@ class Scheduler:
         # A request whose placeholder token (sampled by the step still in flight) ends it by length is not
         # planned again: it finishes when that token is read back.
         decodes = [
-            r for r in self.running
+            r
+            for r in self.running
             if r.num_tokens - r.num_computed_tokens == 1
             and not (r.num_output_placeholders and r.num_tokens >= r.params.max_length)
         ]
@@ -234,16 +240,12 @@ class Scheduler:
                     break
                 self.swapped.popleft()
                 out.swap_in.append(copy)
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
-                scheduled[request.request_id] = _scheduled(request, num_new)
-                budget -= num_new
+                budget -= self._run(request, num_new, scheduled)
         if not out.preempted_ids and not self.swapped:
             while self.waiting and budget > 0 and len(self.running) < max_num_seqs:
                 request = self.waiting[0]
-                group = request.group
-                if group is not None and group.beam_search is not None and len(group.members) > 1:
-                    budget_left = self._admit_beams(group.members, budget, scheduled)
+                if request.beam_search is not None and len(request.group.members) > 1:
+                    budget_left = self._admit_beams(request.group.members, budget, scheduled)
                     if budget_left is None:
                         break
                     budget = budget_left
@@ -255,10 +257,7 @@ class Scheduler:
                 if num_new == 0:
                     break
                 self.waiting.popleft()
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
-                scheduled[request.request_id] = _scheduled(request, num_new)
-                budget -= num_new
+                budget -= self._run(request, num_new, scheduled)
 
         out.scheduled = list(scheduled.values())
         self._commit(out)
@@ -285,7 +284,7 @@ class Scheduler:
                         num_prompt_tokens=request.num_prompt_tokens,
                         sequence_index=request.sequence_index,
                         num_forks=request.num_forks_pending,
-                        beam_search=request.group.beam_search if request.group is not None else None,
+                        beam_search=request.beam_search,
                     )
                 )
             else:
@@ -295,8 +294,7 @@ class Scheduler:
         # Sampling that reads the token history, forks or moves beams needs this step's tokens before the
         # next step is planned; otherwise they count as placeholders until they are read.
         out.overlapped = self.config.async_scheduling and not any(
-            r.params.stages_read_history or r.num_forks_pending or (r.group is not None and r.group.beam_search is not None)
-            for r in sampled
+            r.params.stages_read_history or r.num_forks_pending or r.beam_search is not None for r in sampled
         )
         if out.overlapped:
             for request in sampled:
@@ -325,7 +323,7 @@ class Scheduler:
                 self.finish(request, "error", sampled.error)
                 outputs.append(make_request_output(request, []))
                 continue
-            _append(request, sampled)
+            request.append_sampled(sampled)
             advanced.append(request)
             for fork in result.forks.get(request.request_id, ()):
                 advanced.append(self._fork(request, fork.sequence_index, fork.params, fork.sampled))
@@ -338,21 +336,20 @@ class Scheduler:
                 self.finish(request, reason)
         return outputs + [make_request_output(request, request.all_token_ids[-1:]) for request in advanced]
 
-    def _fork(self, parent: Request, index: int, params, sampled: SampledToken) -> Request:
+    def _fork(self, parent: Request, index: int, params: RequestParams, sampled: SampledToken) -> Request:
         """Parallel sampling: sequence ``index`` of the parent's prompt forks off it with its own first token."""
-        child = Request(f"{parent.request_id}.{index}", parent.prompt_token_ids, params, index=parent.index)
-        child.prompt_id = parent.prompt_id
-        child.group = parent.group
-        child.sequence_index = index
-        child.arrival_time = parent.arrival_time
-        parent.group.members.append(child)
+        child = parent.group.add_member(f"{parent.request_id}.{index}", params, index)
+        self._start_fork(child, parent)
+        child.append_sampled(sampled)
+        return child
+
+    def _start_fork(self, child: Request, parent: Request) -> None:
+        """``child`` shares ``parent``'s blocks and progress, and runs."""
         self.kv.fork(child, parent)
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = RequestStatus.RUNNING
         self.running.append(child)
         self.requests[child.request_id] = child
-        _append(child, sampled)
-        return child
 
     def _advance_beams(self, beam_round: BeamRound) -> list[RequestOutput]:
         """A group's selection: beam j continues beam ``parents[j]`` (its tokens and blocks) plus ``tokens[j]``.
@@ -371,26 +368,26 @@ class Scheduler:
                     self.finish(member, "stop")
             all_ids = root.prompt_token_ids
             return [
-                make_request_output(root, seq.token_ids, all_token_ids=all_ids + seq.token_ids, finished=True,
-                                    finish_reason=seq.finish_reason, sequence_index=i)
+                make_request_output(
+                    root,
+                    seq.token_ids,
+                    all_token_ids=all_ids + seq.token_ids,
+                    finished=True,
+                    finish_reason=seq.finish_reason,
+                    sequence_index=i,
+                )
                 for i, seq in enumerate(search.returned_sequences())
             ]
         if len(group.members) == 1:  # first round: every row was the prompt's; the other beams fork off it
             for slot in range(1, group.num_sequences):
-                beam = Request(f"{root.request_id}.beam{slot}", root.prompt_token_ids, root.params, index=root.index)
-                beam.prompt_id = root.prompt_id
-                beam.group = group
-                beam.sequence_index = slot
-                beam.arrival_time = root.arrival_time
-                group.members.append(beam)
-                self.kv.fork(beam, root)
-                beam.status = RequestStatus.RUNNING
-                self.running.append(beam)
-                self.requests[beam.request_id] = beam
+                self._start_fork(group.add_member(f"{root.request_id}.beam{slot}", root.params, slot), root)
             sources = [root] * group.num_sequences
         else:
             sources = [group.members[p] for p in beam_round.parents]
-        taken = [(source.all_token_ids + [token], source.num_computed_tokens) for source, token in zip(sources, beam_round.tokens)]
+        taken = [
+            (source.all_token_ids + [token], source.num_computed_tokens)
+            for source, token in zip(sources, beam_round.tokens)
+        ]
         self.kv.share(group.members, sources)
         for member, (token_ids, num_computed) in zip(group.members, taken):
             member.all_token_ids = token_ids
@@ -402,14 +399,3 @@ class Scheduler:
 def _scheduled(request: Request, num_tokens: int) -> ScheduledRequest:
     start = request.num_computed_tokens
     return ScheduledRequest(request.request_id, start, num_tokens, samples=start + num_tokens == request.num_tokens)
-
-
-def _append(request: Request, sampled: SampledToken) -> None:
-    """Append a sampled token (and its log-probabilities when the request keeps them)."""
-    if request.first_token_time is None:
-        request.first_token_time = time.perf_counter()
-    request.all_token_ids.append(sampled.token_id)
-    if request.logprobs is not None and sampled.logprob is not None:
-        request.logprobs.append(sampled.logprob)
-        if request.top_logprobs is not None:
-            request.top_logprobs.append(sampled.top_logprobs if sampled.top_logprobs is not None else {})

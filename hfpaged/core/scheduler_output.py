@@ -32,7 +32,7 @@ class NewRequestData:
     request_id: str
     token_ids: list[int]  # every known token (prompt and output)
     block_ids: list[int]
-    params: "RequestParams"
+    params: RequestParams
     num_prompt_tokens: int
     sequence_index: int = 0  # its place among its prompt's sequences (beam slot, sample index)
     num_forks: int = 0  # parallel sampling: the other sequences it forks into at its first sample

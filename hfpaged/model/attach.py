@@ -14,15 +14,24 @@ import inspect
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from ..core.config import EngineConfig
 from .attention import LayerRecord
-from .kv_cache import allocate_caches, block_bytes, check_model, collect_configs, discover_layers, max_model_len, size_pool
+from .kv_cache import (
+    allocate_caches,
+    block_bytes,
+    check_model,
+    collect_configs,
+    discover_layers,
+    max_model_len,
+    size_pool,
+)
 from .swap_space import SwapSpace, swap_blocks
 
 logger = logging.getLogger("hfpaged")
@@ -137,7 +146,9 @@ def attach(model: PreTrainedModel, config: EngineConfig, tokenizer: Any = None) 
     kv_caches = allocate_caches(layers, num_blocks, config.block_size)
     swap = None
     if config.preemption_mode == "swap":
-        num_cpu_blocks = swap_blocks(config.swap_space, num_blocks, sum(block_bytes(layers, config.block_size).values()))
+        num_cpu_blocks = swap_blocks(
+            config.swap_space, num_blocks, sum(block_bytes(layers, config.block_size).values())
+        )
         swap = SwapSpace(num_cpu_blocks) if num_cpu_blocks > 0 else None
     state = PatchState(
         config=config,
@@ -159,7 +170,11 @@ def attach(model: PreTrainedModel, config: EngineConfig, tokenizer: Any = None) 
     gib = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv_caches) / 2**30
     logger.info(
         "hfpaged: KV pool of %d blocks x %d tokens (%.2f GiB, %d tokens) over %d layers",
-        num_blocks, config.block_size, gib, num_blocks * config.block_size, len(layers),
+        num_blocks,
+        config.block_size,
+        gib,
+        num_blocks * config.block_size,
+        len(layers),
     )
     model._hfpaged = state
     return state

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
@@ -46,7 +47,7 @@ class AttentionMetadata:
     max_seqlen_k: int
     _by_device: dict = field(default_factory=dict)
 
-    def on(self, device: torch.device) -> "AttentionMetadata":
+    def on(self, device: torch.device) -> AttentionMetadata:
         """This metadata on ``device`` (layers spread over several devices each read their own copy)."""
         if self.slot_mapping.device == device:
             return self
@@ -157,8 +158,18 @@ def paged_attention_forward(
         return compiled_attention(module, query, key, value, scaling, sliding_window, softcap, kwargs), None
     original = _original_implementation(module.config)
     function = ALL_ATTENTION_FUNCTIONS.get_interface(original, hf_compat.module_eager_attention(module))
-    return function(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                    sliding_window=sliding_window, softcap=softcap, **kwargs)
+    return function(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=dropout,
+        scaling=scaling,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        **kwargs,
+    )
 
 
 def _paged(context: PagedStep, module, query, key, value, scaling, sliding_window, softcap) -> torch.Tensor:

@@ -11,7 +11,7 @@ shared memory pool.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -72,7 +72,9 @@ class DecodeGraphs:
             max_seqlen_k=self.max_seqlen_k,
         )
         return DeviceStep(
-            flat[at["input_ids"]].long()[None], flat[at["positions"]].long()[None], metadata,
+            flat[at["input_ids"]].long()[None],
+            flat[at["positions"]].long()[None],
+            metadata,
             flat[at["logits_indices"]].long(),
         )
 

@@ -11,7 +11,7 @@ lock), and graphs are single-device only, so no top-level module hooks are skipp
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -50,7 +50,12 @@ def register_custom_ops() -> None:
         max_seqlen_k: int,
     ) -> torch.Tensor:
         return paged_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            cu_seqlens_q,
             scale=scale,
             sliding_window=sliding_window if sliding_window > 0 else None,
             softcap=softcap if softcap > 0 else None,
@@ -59,8 +64,19 @@ def register_custom_ops() -> None:
         )
 
     @paged_attention_op.register_fake
-    def _paged_attention_fake(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, sliding_window,
-                              softcap, max_seqlen_q, max_seqlen_k) -> torch.Tensor:
+    def _paged_attention_fake(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        scale,
+        sliding_window,
+        softcap,
+        max_seqlen_q,
+        max_seqlen_k,
+    ) -> torch.Tensor:
         return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
 
     _registered = True
@@ -70,13 +86,21 @@ def compiled_attention(module, query, key, value, scaling, sliding_window, softc
     """The attention step of one layer when the metadata arrives as kwargs (compiled decode path)."""
     k_cache, v_cache = module._hfpaged_kv
     q = query[0].transpose(0, 1)
-    torch.ops.hfpaged.store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache,
-                               kwargs["hfpaged_slot_mapping"])
+    torch.ops.hfpaged.store_kv(
+        key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, kwargs["hfpaged_slot_mapping"]
+    )
     out = torch.ops.hfpaged.paged_attention(
-        q, k_cache, v_cache,
-        kwargs["hfpaged_block_tables"], kwargs["hfpaged_seq_lens"], kwargs["hfpaged_cu_seqlens_q"],
-        float(scaling), int(sliding_window or 0), float(softcap or 0.0),
-        int(kwargs["hfpaged_max_seqlen_q"]), int(kwargs["hfpaged_max_seqlen_k"]),
+        q,
+        k_cache,
+        v_cache,
+        kwargs["hfpaged_block_tables"],
+        kwargs["hfpaged_seq_lens"],
+        kwargs["hfpaged_cu_seqlens_q"],
+        float(scaling),
+        int(sliding_window or 0),
+        float(softcap or 0.0),
+        int(kwargs["hfpaged_max_seqlen_q"]),
+        int(kwargs["hfpaged_max_seqlen_k"]),
     )
     return out.unsqueeze(0)
 

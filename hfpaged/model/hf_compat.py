@@ -15,7 +15,8 @@ Checked against transformers 5.17 and 5.23. What we use, and why:
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, PretrainedConfig
@@ -51,7 +52,9 @@ def prepare_generated_length(
     )
 
 
-def validate_generated_length(model: Any, config: GenerationConfig, prompt_len: int, has_default_max_length: bool) -> None:
+def validate_generated_length(
+    model: Any, config: GenerationConfig, prompt_len: int, has_default_max_length: bool
+) -> None:
     """``generate``'s length checks and warnings (e.g. ``min_new_tokens`` beyond ``max_length``)."""
     model._validate_generated_length(config, prompt_len, has_default_max_length)
 

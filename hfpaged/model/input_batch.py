@@ -180,8 +180,16 @@ class InputBatch:
 
         packed = np.zeros(packed_size(num_tokens, num_reqs, width), dtype=np.int32)
         at = region_slices(num_tokens, num_reqs)
-        input_ids, positions, slot_mapping = packed[at["input_ids"]], packed[at["positions"]], packed[at["slot_mapping"]]
-        logits_indices, seq_lens, cu_seqlens_q = packed[at["logits_indices"]], packed[at["seq_lens"]], packed[at["cu_seqlens_q"]]
+        input_ids, positions, slot_mapping = (
+            packed[at["input_ids"]],
+            packed[at["positions"]],
+            packed[at["slot_mapping"]],
+        )
+        logits_indices, seq_lens, cu_seqlens_q = (
+            packed[at["logits_indices"]],
+            packed[at["seq_lens"]],
+            packed[at["cu_seqlens_q"]],
+        )
         block_tables = packed[at["block_tables"]].reshape(num_reqs, width)
         block_tables[:num_real] = self.block_table[rows, :width]
 

@@ -154,12 +154,18 @@ def _size_pool_cuda(model, config, configs, input_device, model_len, per_device,
     return max(1, int(num_blocks))
 
 
-def allocate_caches(layers: list[LayerRecord], num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def allocate_caches(
+    layers: list[LayerRecord], num_blocks: int, block_size: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One ``[num_blocks, block_size, num_kv_heads, head_dim]`` K and V tensor per layer, on the layer's device."""
     return [
         (
-            torch.zeros(num_blocks, block_size, layer.num_kv_heads, layer.head_dim, dtype=layer.dtype, device=layer.device),
-            torch.zeros(num_blocks, block_size, layer.num_kv_heads, layer.head_dim_v, dtype=layer.dtype, device=layer.device),
+            torch.zeros(
+                num_blocks, block_size, layer.num_kv_heads, layer.head_dim, dtype=layer.dtype, device=layer.device
+            ),
+            torch.zeros(
+                num_blocks, block_size, layer.num_kv_heads, layer.head_dim_v, dtype=layer.dtype, device=layer.device
+            ),
         )
         for layer in layers
     ]

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 class ModelRunner:
     """Persistent batch, packed forward (graphs where it can) and sampling, for one patched model."""
 
-    def __init__(self, model: torch.nn.Module, state: "PatchState"):
+    def __init__(self, model: torch.nn.Module, state: PatchState):
         self._model = weakref.ref(model)  # the model owns the state that owns this runner: no cycle
         self.state = weakref.proxy(state)  # the state owns this runner (through the engine): no cycle
         self.config = state.config
@@ -153,8 +153,9 @@ class ModelRunner:
         kwargs = {"logits_to_keep": keep} if self.supports_logits_to_keep else {}
         model = self.model
         with paged_forward(self.state.attn_configs, self.state.forward_lock):
-            output = model(input_ids=step.input_ids, position_ids=step.position_ids, use_cache=False, hfpaged=context,
-                           **kwargs)
+            output = model(
+                input_ids=step.input_ids, position_ids=step.position_ids, use_cache=False, hfpaged=context, **kwargs
+            )
         logits = output.logits[0]
         if not self.supports_logits_to_keep:
             logits = logits.index_select(0, keep.to(logits.device)) if isinstance(keep, torch.Tensor) else logits
@@ -170,14 +171,28 @@ class ModelRunner:
 
         seen = set()
         for layer, (k_cache, v_cache) in zip(self.state.layers, self.state.kv_caches):
-            key = (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.head_dim_v, layer.dtype,
-                   layer.sliding_window, layer.softcap)
+            key = (
+                layer.num_heads,
+                layer.num_kv_heads,
+                layer.head_dim,
+                layer.head_dim_v,
+                layer.dtype,
+                layer.sliding_window,
+                layer.softcap,
+            )
             if key in seen:
                 continue
             seen.add(key)
-            warm_up(k_cache, v_cache, num_heads=layer.num_heads, sliding_window=layer.sliding_window,
-                    softcap=layer.softcap, max_num_seqs=self.config.max_num_seqs,
-                    max_num_batched_tokens=self.config.max_num_batched_tokens, column_multiple=padded_width(1))
+            warm_up(
+                k_cache,
+                v_cache,
+                num_heads=layer.num_heads,
+                sliding_window=layer.sliding_window,
+                softcap=layer.softcap,
+                max_num_seqs=self.config.max_num_seqs,
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                column_multiple=padded_width(1),
+            )
         torch.cuda.synchronize(self.device)
 
     def _graph_forward(self, step: DeviceStep) -> torch.Tensor:
@@ -189,14 +204,22 @@ class ModelRunner:
             self._compiled = compile_decode_forward(self.graph_width * self.block_size)
         meta = step.metadata  # reaches the attention as forward kwargs: no step context needed
         with paged_forward(self.state.attn_configs, self.state.forward_lock):
-            return self._compiled(self.model, step.input_ids, step.position_ids, meta.slot_mapping, meta.block_tables,
-                                  meta.seq_lens, meta.cu_seqlens_q)
+            return self._compiled(
+                self.model,
+                step.input_ids,
+                step.position_ids,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.cu_seqlens_q,
+            )
 
     def capture_graphs(self) -> None:
         """Capture the decode CUDA graphs now (otherwise done at the first decode step)."""
         if self.use_graphs and self.graphs is None:
-            graphs = DecodeGraphs(self.device, self.config.max_num_seqs, self.graph_width,
-                                  self.graph_width * self.block_size)
+            graphs = DecodeGraphs(
+                self.device, self.config.max_num_seqs, self.graph_width, self.graph_width * self.block_size
+            )
             graphs.capture(self._graph_forward)
             self.graphs = graphs
 

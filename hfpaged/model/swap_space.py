@@ -37,7 +37,9 @@ class SwapSpace:
             for k, v in kv_caches
         ]
 
-    def copy_out(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], gpu_ids: list[int], cpu_ids: list[int]) -> None:
+    def copy_out(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], gpu_ids: list[int], cpu_ids: list[int]
+    ) -> None:
         """GPU blocks -> CPU blocks, every layer (synchronous: the GPU blocks may be reused next)."""
         if not gpu_ids:
             return
@@ -49,7 +51,9 @@ class SwapSpace:
             ck.index_copy_(0, dst, k.index_select(0, src).cpu())
             cv.index_copy_(0, dst, v.index_select(0, src).cpu())
 
-    def copy_in(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], cpu_ids: list[int], gpu_ids: list[int]) -> None:
+    def copy_in(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], cpu_ids: list[int], gpu_ids: list[int]
+    ) -> None:
         """CPU blocks -> GPU blocks, every layer."""
         if not cpu_ids:
             return

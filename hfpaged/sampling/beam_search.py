@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from ..model import hf_compat
-from .params import RequestParams
 from .parallel_sampling import sample_seed
+from .params import RequestParams
 
 
 @dataclass
@@ -43,7 +43,12 @@ class BeamSearch:
     """transformers' beam-search state for the k beams of one prompt (batch size 1), and this round's rows."""
 
     def __init__(
-        self, model: Any, request_id: str, params: RequestParams, prompt_token_ids: list[int], device: torch.device | str
+        self,
+        model: Any,
+        request_id: str,
+        params: RequestParams,
+        prompt_token_ids: list[int],
+        device: torch.device | str,
     ):
         config = params.generation_config
         self.request_id = request_id  # the group's first request (the prompt's)
@@ -77,7 +82,9 @@ class BeamSearch:
             (torch.ones(num_beams, dtype=torch.bool), torch.zeros(self.beams_to_keep - num_beams, dtype=torch.bool))
         ).to(device)
         fill = pad or eos[0] if eos is not None else -1
-        self.running_sequences = torch.full((1, num_beams, self.max_length), fill_value=fill, dtype=torch.int64, device=device)
+        self.running_sequences = torch.full(
+            (1, num_beams, self.max_length), fill_value=fill, dtype=torch.int64, device=device
+        )
         self.running_sequences[:, :, : self.cur_len] = torch.tensor(prompt_token_ids, device=device)
         self.sequences = self.running_sequences.clone()
         self.running_beam_scores = torch.zeros((1, num_beams), dtype=torch.float, device=device)
@@ -234,7 +241,9 @@ class BeamSearch:
 def _seeded(device: torch.device, seed: int, fn: Any) -> Any:
     """``fn()`` with the default generator of ``device`` seeded with ``seed``, its state restored afterwards."""
     if device.type == "cuda":
-        generator = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+        generator = torch.cuda.default_generators[
+            device.index if device.index is not None else torch.cuda.current_device()
+        ]
     else:
         generator = torch.default_generator
     state = generator.get_state()

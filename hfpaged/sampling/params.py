@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import GenerationConfig
@@ -40,6 +41,14 @@ _UNSUPPORTED_TRUE = {
 }
 
 
+def _is_finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 @dataclass
 class CallOptions:
     """Per-request options that are not GenerationConfig fields (vLLM-style extras included)."""
@@ -59,17 +68,15 @@ class CallOptions:
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            if not _is_finite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
-        if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict) or not all(
-                isinstance(k, int) and not isinstance(k, bool) and k >= 0
-                and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                for k, v in self.logit_bias.items()
-            ):
-                raise ValueError(
-                    f"logit_bias must be a dict of token id (int >= 0) -> finite float, got {self.logit_bias!r}"
-                )
+        if self.logit_bias is not None and not (
+            isinstance(self.logit_bias, dict)
+            and all(_is_token_id(k) and _is_finite(v) for k, v in self.logit_bias.items())
+        ):
+            raise ValueError(
+                f"logit_bias must be a dict of token id (int >= 0) -> finite float, got {self.logit_bias!r}"
+            )
         if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int) or self.top_logprobs < 0:
             raise ValueError(f"top_logprobs must be an int >= 0, got {self.top_logprobs!r}")
         if self.top_logprobs:
@@ -117,7 +124,9 @@ def resolve_generation_config(
 ) -> ResolvedConfig:
     """Merge ``generation_config``/``gen_kwargs`` over ``model.generation_config`` as ``generate`` does."""
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
-        raise TypeError(f"generation_config must be a transformers.GenerationConfig, got {type(generation_config).__name__}")
+        raise TypeError(
+            f"generation_config must be a transformers.GenerationConfig, got {type(generation_config).__name__}"
+        )
     has_default_max_length = (
         gen_kwargs.get("max_length") is None
         and (generation_config is None or generation_config.max_length is None)
@@ -150,7 +159,9 @@ def _check_supported(config: GenerationConfig) -> None:
         if getattr(config, name, None):
             raise ValueError(f"generate_many does not support {name}=True ({hint})")
     if config.guidance_scale is not None and config.guidance_scale != 1:
-        raise ValueError(f"generate_many does not support guidance_scale={config.guidance_scale} (classifier-free guidance)")
+        raise ValueError(
+            f"generate_many does not support guidance_scale={config.guidance_scale} (classifier-free guidance)"
+        )
     if config.num_beam_groups is not None and config.num_beam_groups > 1:
         raise ValueError(f"generate_many does not support num_beam_groups={config.num_beam_groups} (group beam search)")
     if config.num_beams is not None and config.num_beams > 1 and config.low_memory:

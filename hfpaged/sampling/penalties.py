@@ -22,7 +22,7 @@ class RepetitionPenalty:
 
     name = "repetition_penalty"
 
-    def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: "StageContext") -> torch.Tensor:
+    def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: StageContext) -> torch.Tensor:
         table = context.token_counts
         slots = table.slots_for(requests)
         seen = table.prompt_mask[slots] | (table.output_counts[slots] > 0)
@@ -36,7 +36,7 @@ class EncoderRepetitionPenalty:
 
     name = "encoder_repetition_penalty"
 
-    def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: "StageContext") -> torch.Tensor:
+    def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: StageContext) -> torch.Tensor:
         table = context.token_counts
         slots = table.slots_for(requests)
         seen = table.prompt_mask[slots]
@@ -53,7 +53,7 @@ class PresenceFrequencyPenalty:
 
     name = "presence_frequency_penalty"
 
-    def apply(self, scores: torch.Tensor, payloads: list, requests: list, context: "StageContext") -> torch.Tensor:
+    def apply(self, scores: torch.Tensor, payloads: list, requests: list, context: StageContext) -> torch.Tensor:
         table = context.token_counts
         slots = table.slots_for(requests)
         counts = table.output_counts[slots]
@@ -68,7 +68,7 @@ class LogitBias:
     name = "logit_bias"
     reads_history = False
 
-    def apply(self, scores: torch.Tensor, payloads: list, requests: list, context: "StageContext") -> torch.Tensor:
+    def apply(self, scores: torch.Tensor, payloads: list, requests: list, context: StageContext) -> torch.Tensor:
         rows = torch.repeat_interleave(torch.arange(len(payloads)), torch.tensor([len(ids) for ids, _ in payloads]))
         cols = torch.cat([ids for ids, _ in payloads])
         values = torch.cat([v for _, v in payloads]).to(scores.dtype)

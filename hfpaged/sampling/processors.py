@@ -25,8 +25,9 @@ request's own full ids, exactly as ``generate`` would call it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from transformers.generation import logits_process as lp
@@ -51,7 +52,7 @@ class StageKind(Protocol):
     name: str
     reads_history: bool  # whether it looks at the request's tokens (absent: assumed True)
 
-    def apply(self, scores: torch.Tensor, payloads: list, requests: list, context: "StageContext") -> torch.Tensor:
+    def apply(self, scores: torch.Tensor, payloads: list, requests: list, context: StageContext) -> torch.Tensor:
         """Processed ``scores`` ``[len(requests), vocab]``; ``payloads[i]`` holds row i's settings."""
 
 
@@ -92,7 +93,7 @@ class StageContext:
         """Forget last step's id tensors (requests have grown since)."""
         self._ids.clear()
 
-    def ids_tensor(self, request: "CachedRequestState") -> torch.Tensor:
+    def ids_tensor(self, request: CachedRequestState) -> torch.Tensor:
         """``[1, num_tokens]`` prompt + output ids on the device (built once per step per request)."""
         ids = self._ids.get(id(request))
         if ids is None:
@@ -116,7 +117,7 @@ class HFProcessor:
 HF_PROCESSOR = HFProcessor()
 
 
-def run_stages(scores: torch.Tensor, requests: list["CachedRequestState"], context: StageContext) -> torch.Tensor:
+def run_stages(scores: torch.Tensor, requests: list[CachedRequestState], context: StageContext) -> torch.Tensor:
     """Apply each row's stages to ``scores`` ``[len(requests), vocab]``; returns the processed scores."""
     schedule = requests[0].params.stage_schedule
     if all(r.params.stage_schedule is schedule for r in requests):
@@ -172,9 +173,25 @@ RENORMALIZE = Renormalize()
 
 # Batched kinds in transformers' order (their rank is their index here).
 _ORDER = (
-    SEQUENCE_BIAS, ENCODER_REPETITION, REPETITION, NO_REPEAT_NGRAM, BAD_WORDS, MIN_LENGTH, MIN_NEW_TOKENS,
-    SUPPRESS, BEGIN_SUPPRESS, PRESENCE_FREQUENCY, LOGIT_BIAS,
-    TEMPERATURE, TOP_K, TOP_P, MIN_P, TYPICAL, EPSILON, ETA, RENORMALIZE,
+    SEQUENCE_BIAS,
+    ENCODER_REPETITION,
+    REPETITION,
+    NO_REPEAT_NGRAM,
+    BAD_WORDS,
+    MIN_LENGTH,
+    MIN_NEW_TOKENS,
+    SUPPRESS,
+    BEGIN_SUPPRESS,
+    PRESENCE_FREQUENCY,
+    LOGIT_BIAS,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    MIN_P,
+    TYPICAL,
+    EPSILON,
+    ETA,
+    RENORMALIZE,
 )
 _RANK = {id(kind): rank for rank, kind in enumerate(_ORDER)}
 
@@ -182,16 +199,26 @@ _RANK = {id(kind): rank for rank, kind in enumerate(_ORDER)}
 _AFTER_ADJUSTMENTS = tuple(
     getattr(lp, name)
     for name in (
-        "TemperatureLogitsWarper", "TopHLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
-        "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "WatermarkLogitsProcessor",
-        "SynthIDTextWatermarkLogitsProcessor", "LogitNormalization",
+        "TemperatureLogitsWarper",
+        "TopHLogitsWarper",
+        "TopKLogitsWarper",
+        "TopPLogitsWarper",
+        "MinPLogitsWarper",
+        "TypicalLogitsWarper",
+        "EpsilonLogitsWarper",
+        "EtaLogitsWarper",
+        "WatermarkLogitsProcessor",
+        "SynthIDTextWatermarkLogitsProcessor",
+        "LogitNormalization",
     )
     if hasattr(lp, name)
 )
 
 
 def _keeps_one(processor: Any) -> bool:
-    return getattr(processor, "min_tokens_to_keep", 1) == 1 and getattr(processor, "filter_value", -math.inf) == -math.inf
+    return (
+        getattr(processor, "min_tokens_to_keep", 1) == 1 and getattr(processor, "filter_value", -math.inf) == -math.inf
+    )
 
 
 def _token_list(ids: Any, vocab_size: int) -> list[int]:

@@ -19,13 +19,13 @@ class CachedRequestState:
     def __init__(
         self,
         request_id: str,
-        params: "RequestParams",
+        params: RequestParams,
         token_ids: list[int],
         num_prompt_tokens: int,
         *,
         sequence_index: int = 0,
         num_forks: int = 0,
-        beam_search: "BeamSearch | None" = None,
+        beam_search: BeamSearch | None = None,
     ):
         self.request_id = request_id
         self.params = params

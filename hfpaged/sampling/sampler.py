@@ -24,7 +24,6 @@ from ..core.block_pool import cdiv
 from ..core.runner_output import BeamRound, ForkedSample, ModelRunnerOutput, SampledToken
 from .parallel_sampling import child_params
 from .processors import StageContext, run_stages
-
 from .request_state import CachedRequestState
 
 _MASK32 = 0xFFFFFFFF
@@ -52,7 +51,9 @@ def _column_key(vocab_size: int, device: torch.device) -> torch.Tensor:
     return _mix32(torch.arange(vocab_size, dtype=torch.int64, device=device) + 0x9E3779B9)
 
 
-def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int, column_key: torch.Tensor | None = None) -> torch.Tensor:
+def gumbel_noise(
+    seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int, column_key: torch.Tensor | None = None
+) -> torch.Tensor:
     """Gumbel(0, 1) noise ``[N, vocab_size]`` determined by (seed, counter, vocab index) alone."""
     seeds = seeds.to(torch.int64)
     if column_key is None:
@@ -144,7 +145,9 @@ class StepResult:
         rows = [SampledToken(state.request_id, int(value)) for state, value in zip(states, values[:num_rows])]
         if self._flat:
             at = num_rows
-            for row, flag in zip(range(num_rows - self.num_error_flags, num_rows), values[at : at + self.num_error_flags]):
+            for row, flag in zip(
+                range(num_rows - self.num_error_flags, num_rows), values[at : at + self.num_error_flags]
+            ):
                 if flag:
                     rows[row].error = NO_TOKEN_ERROR
             at += self.num_error_flags
@@ -222,7 +225,9 @@ class Sampler:
         else:
             first = sample_rows[0]
             sub = scores[first:]
-            keys = torch.tensor([[s.params.seed, p] for s, p in zip(states[first:], positions[first:])], dtype=torch.int64)
+            keys = torch.tensor(
+                [[s.params.seed, p] for s, p in zip(states[first:], positions[first:])], dtype=torch.int64
+            )
             keys = keys.to(device, non_blocking=True)
             noise = gumbel_noise(keys[:, 0], keys[:, 1], sub.shape[-1], self._column_key(sub.shape[-1], device))
             tokens = torch.cat([scores[:first].argmax(dim=-1), (sub + noise).argmax(dim=-1)])
@@ -281,8 +286,13 @@ def _add_fork_rows(logits, states, positions):
             continue
         children = []
         for index in range(1, state.num_forks + 1):
-            child = CachedRequestState(f"{state.request_id}.{index}", child_params(state.params, index),
-                                       list(state.token_ids), state.num_prompt_tokens, sequence_index=index)
+            child = CachedRequestState(
+                f"{state.request_id}.{index}",
+                child_params(state.params, index),
+                list(state.token_ids),
+                state.num_prompt_tokens,
+                sequence_index=index,
+            )
             children.append((index, child))
         state.num_forks = 0
         forks[state.request_id] = children

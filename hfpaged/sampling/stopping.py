@@ -61,10 +61,15 @@ def build_stop_rules(
                 "There are one or more stop strings, either in the arguments to generate_many or in the model's "
                 "generation config, but no tokenizer is known: pass tokenizer= to generate_many or patch."
             )
-        key = (id(tokenizer), tuple([config.stop_strings] if isinstance(config.stop_strings, str) else config.stop_strings))
+        key = (
+            id(tokenizer),
+            tuple([config.stop_strings] if isinstance(config.stop_strings, str) else config.stop_strings),
+        )
         criterion = stop_string_cache.get(key)
         if criterion is None:
-            criterion = stop_string_cache[key] = StopStringCriteria(stop_strings=config.stop_strings, tokenizer=tokenizer)
+            criterion = stop_string_cache[key] = StopStringCriteria(
+                stop_strings=config.stop_strings, tokenizer=tokenizer
+            )
         defaults.append(criterion)
     eos = hf_compat.eos_token_tensor(config)
     if eos is not None:
@@ -87,7 +92,7 @@ def build_stop_rules(
     return rules
 
 
-def check_stops(requests: list["Request"]) -> list[str | None]:
+def check_stops(requests: list[Request]) -> list[str | None]:
     """Why each request (which just gained a token) stops: "stop", "length", "time", or None to go on."""
     reasons: list[str | None] = [None] * len(requests)
     by_criterion: dict[int, tuple[StopStringCriteria, list[int]]] = {}
@@ -118,7 +123,7 @@ def check_stops(requests: list["Request"]) -> list[str | None]:
     return reasons
 
 
-def _stop_string_hits(criterion: StopStringCriteria, requests: list["Request"]) -> list[bool]:
+def _stop_string_hits(criterion: StopStringCriteria, requests: list[Request]) -> list[bool]:
     """The criterion on each request's last ``maximum_token_len`` ids: one call for all long-enough requests."""
     width = criterion.maximum_token_len
     hits = [False] * len(requests)

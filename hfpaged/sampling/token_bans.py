@@ -34,7 +34,7 @@ class NgramIndex:
         self.followers: dict[tuple[int, ...], set[int]] = {}
         self.num_indexed = 0  # ids[:num_indexed] have had their n-grams recorded
 
-    def fork(self) -> "NgramIndex":
+    def fork(self) -> NgramIndex:
         """An independent copy for a sequence that forks off this request (parallel sampling)."""
         copy = NgramIndex(self.ngram_size)
         copy.followers = {prefix: set(tokens) for prefix, tokens in self.followers.items()}
@@ -58,7 +58,9 @@ class NoRepeatNgram:
 
     name = "no_repeat_ngram_size"
 
-    def apply(self, scores: torch.Tensor, payloads: list[NgramIndex], requests: list, context: "StageContext") -> torch.Tensor:
+    def apply(
+        self, scores: torch.Tensor, payloads: list[NgramIndex], requests: list, context: StageContext
+    ) -> torch.Tensor:
         vocab_size = scores.shape[-1]
         rows, cols = [], []
         for row, (index, request) in enumerate(zip(payloads, requests)):
@@ -105,7 +107,9 @@ class SequenceBias:
     def __init__(self, name: str):
         self.name = name
 
-    def apply(self, scores: torch.Tensor, payloads: list[SequenceBiasIndex], requests: list, context: "StageContext") -> torch.Tensor:
+    def apply(
+        self, scores: torch.Tensor, payloads: list[SequenceBiasIndex], requests: list, context: StageContext
+    ) -> torch.Tensor:
         # transformers builds a float32 bias (single tokens first, then matched sequences) and adds it once
         bias = torch.zeros_like(scores)
         num_singles = [len(index.single_ids) for index in payloads]
@@ -145,7 +149,7 @@ class SuppressTokens:
     def __init__(self, name: str):
         self.name = name
 
-    def apply(self, scores: torch.Tensor, payloads: list, requests: list, context: "StageContext") -> torch.Tensor:
+    def apply(self, scores: torch.Tensor, payloads: list, requests: list, context: StageContext) -> torch.Tensor:
         rows, cols = [], []
         for row, ((token_ids, min_length, exact_length), request) in enumerate(zip(payloads, requests)):
             num_tokens = request.num_tokens

@@ -26,7 +26,7 @@ class Temperature:
     name = "temperature"
     reads_history = False
 
-    def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: "StageContext") -> torch.Tensor:
+    def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: StageContext) -> torch.Tensor:
         return scores / row_parameters(payloads, scores)
 
 
@@ -36,7 +36,7 @@ class TopK:
     name = "top_k"
     reads_history = False
 
-    def apply(self, scores: torch.Tensor, payloads: list[int], requests: list, context: "StageContext") -> torch.Tensor:
+    def apply(self, scores: torch.Tensor, payloads: list[int], requests: list, context: StageContext) -> torch.Tensor:
         vocab_size = scores.shape[-1]
         ks = [min(k, vocab_size) for k in payloads]
         k_max = max(ks)
@@ -55,7 +55,7 @@ class TopP:
     name = "top_p"
     reads_history = False
 
-    def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: "StageContext") -> torch.Tensor:
+    def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: StageContext) -> torch.Tensor:
         sorted_logits, sorted_indices = torch.sort(scores, descending=False)
         cumulative_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         # transformers compares with the Python float (1 - top_p), i.e. that value cast to float32
@@ -71,7 +71,7 @@ class MinP:
     name = "min_p"
     reads_history = False
 
-    def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: "StageContext") -> torch.Tensor:
+    def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: StageContext) -> torch.Tensor:
         probs = torch.softmax(scores, dim=-1)
         top_probs = probs.amax(dim=-1, keepdim=True)
         to_remove = probs < row_parameters(payloads, scores) * top_probs
@@ -85,7 +85,7 @@ class Typical:
     name = "typical_p"
     reads_history = False
 
-    def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: "StageContext") -> torch.Tensor:
+    def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: StageContext) -> torch.Tensor:
         normalized = torch.nn.functional.log_softmax(scores, dim=-1)
         p = torch.exp(normalized)
         ent = -(normalized * p).nansum(-1, keepdim=True)
@@ -112,7 +112,7 @@ class Epsilon:
     name = "epsilon_cutoff"
     reads_history = False
 
-    def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: "StageContext") -> torch.Tensor:
+    def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: StageContext) -> torch.Tensor:
         probabilities = scores.softmax(dim=-1)
         to_remove = (probabilities < row_parameters(payloads, scores)) & _below_top(scores)
         return scores.masked_fill(to_remove, float("-inf"))
@@ -124,7 +124,7 @@ class Eta:
     name = "eta_cutoff"
     reads_history = False
 
-    def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: "StageContext") -> torch.Tensor:
+    def apply(self, scores: torch.Tensor, payloads: list[float], requests: list, context: StageContext) -> torch.Tensor:
         probabilities = scores.softmax(dim=-1)
         # torch.distributions.Categorical(logits=scores).entropy(), without its argument validation (a sync)
         logits = scores - scores.logsumexp(dim=-1, keepdim=True)
@@ -141,5 +141,5 @@ class Renormalize:
     name = "renormalize_logits"
     reads_history = False
 
-    def apply(self, scores: torch.Tensor, payloads: list, requests: list, context: "StageContext") -> torch.Tensor:
+    def apply(self, scores: torch.Tensor, payloads: list, requests: list, context: StageContext) -> torch.Tensor:
         return scores.log_softmax(dim=-1)

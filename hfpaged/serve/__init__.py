@@ -1,0 +1,27 @@
+"""``hfpaged serve``: an OpenAI-compatible HTTP server over one hfpaged engine (FastAPI + uvicorn).
+
+    hfpaged serve MODEL_PATH --port 8000            # the console script (hfpaged.serve.cli)
+    hfpaged.serve.serve(model, tokenizer)            # a model already in memory; blocks until Ctrl-C
+    with hfpaged.serve.Server(model, tokenizer, port=0) as server:   # in a background thread
+        ...  # OpenAI(base_url=server.url + "/v1", api_key="unused")
+    app = hfpaged.serve.create_app(model, tokenizer) # the ASGI app, for any ASGI server
+
+Needs the ``serve`` extra (``pip install hfpaged[serve]``: fastapi, uvicorn, prometheus_client); importing
+this package does not, only building a server does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .server import Server, serve
+
+__all__ = ["Server", "create_app", "serve"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "create_app":  # imported on use: it needs fastapi
+        from .app import create_app
+
+        return create_app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,155 @@
+"""The request bodies of ``/v1/completions`` and ``/v1/chat/completions`` as strict pydantic models.
+
+Strict: no silent coercion ("5" is not an int), and a field this server does not know is refused by name,
+as is a known OpenAI field it does not implement (``tools``, ``suffix``, ...) unless it is null or its
+default. ``parse_request`` turns every failure into an OpenAI-format 400.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import invalid_request
+
+# OpenAI fields this server accepts only when absent, null or set to the value named here.
+UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "suffix": ("insertion (suffix)", ()),
+    "best_of": ("best_of (server-side ranking of samples)", (1,)),
+    "tools": ("tool calling", ()),
+    "tool_choice": ("tool calling", ("none",)),
+    "parallel_tool_calls": ("tool calling", ()),
+    "functions": ("function calling", ()),
+    "function_call": ("function calling", ("none",)),
+    "response_format": ("structured output (response_format)", ({"type": "text"},)),
+    "audio": ("audio output", ()),
+    "modalities": ("output modalities other than text", (["text"],)),
+    "prediction": ("predicted outputs", ()),
+    "reasoning_effort": ("reasoning_effort", ()),
+    "service_tier": ("service tiers", ("auto", "default")),
+    "store": ("stored completions", (False,)),
+    "metadata": ("stored completions (metadata)", ()),
+    "web_search_options": ("web search", ()),
+    "verbosity": ("verbosity", ()),
+}
+
+# What a union-typed field expects, for a readable message.
+_EXPECTED = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of content parts",
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    """``stream_options``: only ``include_usage`` (usage in a last chunk with no choices)."""
+
+    include_usage: bool = False
+
+
+class SamplingRequest(_Strict):
+    """Fields both endpoints share."""
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=128)  # OpenAI's limit; sampling also needs n <= max_num_seqs
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON string key) -> bias in [-100, 100]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted for OpenAI compatibility; not used
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is served."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    """One chat message; ``developer`` is passed to the chat template as ``system``."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+RequestT = TypeVar("RequestT", bound=SamplingRequest)
+
+
+def parse_request(raw: bytes, request_type: type[RequestT]) -> RequestT:
+    """Validate a raw JSON body; any problem is an OpenAI-format 400 naming the field."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise invalid_request(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise invalid_request(f"The request body must be a JSON object, got {type(data).__name__}")
+    for name, (what, allowed) in UNSUPPORTED_FIELDS.items():
+        if name in data:
+            value = data.pop(name)
+            if value is not None and value not in allowed:
+                raise invalid_request(f"`{name}` is not supported by hfpaged serve ({what})", param=name)
+    try:
+        return request_type.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def _param(loc: tuple[Any, ...]) -> str:
+    """``("messages", 0, "content", "str")`` -> ``"messages[0].content"`` (union tags dropped)."""
+    out = ""
+    for item in loc:
+        if isinstance(item, int):
+            out += f"[{item}]"
+        elif "[" in item or item in ("str", "int", "float", "bool") or item.startswith("function-"):
+            continue
+        else:
+            out += f".{item}" if out else item
+    return out
+
+
+def _validation_error(exc: ValidationError):
+    errors = exc.errors()
+    first = errors[0]
+    param = _param(first["loc"])
+    if first["type"] == "extra_forbidden":
+        return invalid_request(f"Unrecognized request argument supplied: {param}", param=param)
+    if first["type"] == "missing":
+        return invalid_request(f"Missing required parameter: `{param}`", param=param)
+    leaf = param.rsplit(".", 1)[-1]
+    if len(errors) > 1 and all(_param(e["loc"]).startswith(param) for e in errors) and leaf in _EXPECTED:
+        return invalid_request(
+            f"Invalid value for `{param}`: expected {_EXPECTED[leaf]}, got {first['input']!r:.80}", param=param
+        )
+    return invalid_request(f"Invalid value for `{param}`: {first['msg']} (got {first['input']!r:.80})", param=param)

@@ -1,0 +1,617 @@
+"""hfpaged serve: a real uvicorn server on 127.0.0.1 over a tiny random Llama, driven with the official
+``openai`` client (sync and async) and raw ``httpx``: both endpoints streamed and not, n, stop, seeds,
+logprobs, greedy output equal to ``generate_many``, 64 concurrent streams, disconnects, a full queue,
+every kind of bad input (each followed by a request that succeeds), and a graceful shutdown."""
+
+import asyncio
+import json
+import re
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from bpe_tokenizer import make_tokenizer
+from models import make_model
+from openai import AsyncOpenAI, OpenAI
+
+import hfpaged
+from hfpaged.serve import Server
+from hfpaged.serve.cli import build_parser
+
+MODEL_NAME = "tiny-llama"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+NO_EOS = {"2": -100}  # the random model could emit eos (id 2) at any point: this keeps lengths exact
+TEXTS = ["the stop sign", "question: what is", "stars and", "a quick brown fox", "café naïve", "stop here"]
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is the answer?"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = make_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    m = make_model("llama", vocab_size=len(tokenizer), seed=3)
+    # 160 blocks of 4 slots; 32 sequences at once need more than that at 64 concurrent streams: preemption
+    hfpaged.patch(m, num_blocks=160, block_size=4, max_num_seqs=32, tokenizer=tokenizer)
+    return m
+
+
+@pytest.fixture(scope="module")
+def server(model, tokenizer):
+    srv = Server(model, tokenizer, port=0, served_model_name=MODEL_NAME, max_waiting=256).start()
+    yield srv
+    srv.stop()
+    stats = hfpaged.stats(model)
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def wait_until_idle(server, timeout=20.0):
+    """Until the engine thread holds no request and its last snapshot shows every block free."""
+    loop = server.serving.engine_loop
+    deadline = time.monotonic() + timeout
+    while loop.routes or loop.unfinished or loop.stats["num_free_blocks"] != loop.stats["num_blocks"]:
+        assert time.monotonic() < deadline, (loop.routes, loop.unfinished, loop.stats)
+        time.sleep(0.01)
+
+
+def metric(server, name, labels=""):
+    text = httpx.get(server.url + "/metrics").text
+    match = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def sse_events(response):
+    """The JSON payloads of an SSE response, until [DONE] (which must come)."""
+    events = []
+    for line in response.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            return events
+        events.append(json.loads(line[6:]))
+    raise AssertionError("the stream ended without data: [DONE]")
+
+
+def good_request(client):
+    out = client.completions.create(model=MODEL_NAME, prompt="the stop", max_tokens=3, temperature=0, logit_bias=NO_EOS)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 3
+
+
+# --- endpoints --------------------------------------------------------------------------------------
+
+
+def test_models_health_metrics_and_an_idle_loop_that_sleeps(server, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    good_request(client)
+    text = httpx.get(server.url + "/metrics").text
+    for name in (
+        "hfpaged_num_requests_running",
+        "hfpaged_num_requests_waiting",
+        "hfpaged_kv_cache_usage_ratio",
+        "hfpaged_prefix_cache_hit_rate",
+        "hfpaged_generation_tokens_total",
+        "hfpaged_time_to_first_token_seconds_bucket",
+        "hfpaged_inter_token_latency_seconds_bucket",
+    ):
+        assert name in text, name
+    assert metric(server, "hfpaged_generation_tokens_total") >= 3
+    assert metric(server, "hfpaged_time_to_first_token_seconds_count") >= 1
+    assert metric(server, "hfpaged_inter_token_latency_seconds_count") >= 2
+    wait_until_idle(server)
+    loop = server.serving.engine_loop
+    steps = loop.num_steps
+    time.sleep(0.2)
+    assert loop.num_steps == steps and loop.thread.is_alive()  # idle: asleep on its command queue
+
+
+def test_greedy_completions_equal_generate_many(server, client, model, tokenizer):
+    settings = dict(max_tokens=12, temperature=0, logit_bias=NO_EOS)
+    batch = client.completions.create(model=MODEL_NAME, prompt=TEXTS, **settings)
+    single = [client.completions.create(model=MODEL_NAME, prompt=t, **settings).choices[0] for t in TEXTS]
+    ids = [tokenizer(t)["input_ids"] for t in TEXTS]
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, **settings)
+    streamed = ["" for _ in TEXTS]
+    for i, text in enumerate(TEXTS):
+        for chunk in client.completions.create(model=MODEL_NAME, prompt=text, stream=True, **settings):
+            streamed[i] += chunk.choices[0].text
+    wait_until_idle(server)  # the engine is the server's while it runs: compare once it is idle
+    results = model.generate_many(
+        TEXTS, tokenizer=tokenizer, max_new_tokens=12, do_sample=False, logit_bias={2: -100.0}
+    )
+    assert len({r.text for r in results}) > 1  # the prompts continue differently: the comparison means something
+    assert [c.index for c in batch.choices] == list(range(len(TEXTS)))
+    assert [c.text for c in batch.choices] == [r.text for r in results]
+    assert [c.text for c in single] == [r.text for r in results]
+    assert [c.text for c in by_ids.choices] == [r.text for r in results]
+    assert streamed == [r.text for r in results]
+    assert batch.usage.prompt_tokens == sum(len(i) for i in ids)
+    assert batch.usage.completion_tokens == 12 * len(TEXTS) == sum(len(r.token_ids) for r in results)
+
+
+def test_chat_greedy_streamed_and_not_agree_with_generate_many(server, client, model, tokenizer):
+    settings = dict(max_tokens=10, temperature=0, logit_bias=NO_EOS)
+    full = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, **settings)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=CHAT, stream=True, stream_options={"include_usage": True}, **settings
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert all(c.usage is None for c in chunks[:-1])
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 10
+    assert full.object == "chat.completion" and full.model == MODEL_NAME and full.id.startswith("chatcmpl-")
+    prompt = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert full.usage.prompt_tokens == len(prompt)
+    wait_until_idle(server)
+    result = model.generate_many([list(prompt)], max_new_tokens=10, do_sample=False, logit_bias={2: -100.0})[0]
+    assert full.choices[0].message.content == result.text
+
+
+def test_n2_sampling_and_seed_reproducibility(client):
+    settings = dict(model=MODEL_NAME, prompt="stars and", max_tokens=8, temperature=1.0, logit_bias=NO_EOS)
+    first = client.completions.create(n=2, seed=7, **settings)
+    again = client.completions.create(n=2, seed=7, **settings)
+    other = client.completions.create(n=2, seed=8, **settings)
+    texts = [c.text for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1]
+    assert texts == [c.text for c in again.choices]
+    assert texts != [c.text for c in other.choices]
+    assert texts[0] != texts[1]  # two samples, not one copied
+    assert first.usage.completion_tokens == 16
+    streamed = ["", ""]
+    finishes = {}
+    for chunk in client.completions.create(n=2, seed=7, stream=True, **settings):
+        choice = chunk.choices[0]
+        streamed[choice.index] += choice.text
+        if choice.finish_reason:
+            finishes[choice.index] = choice.finish_reason
+    assert streamed == texts and finishes == {0: "length", 1: "length"}
+    one = client.completions.create(seed=11, **settings).choices[0].text
+    assert one == client.completions.create(seed=11, **settings).choices[0].text
+    # two prompts with n=2: choice 2p+j is sample j of prompt p
+    two = client.completions.create(n=2, seed=7, **{**settings, "prompt": ["stars and", "the stop sign"]})
+    assert [c.index for c in two.choices] == [0, 1, 2, 3]
+    assert [c.text for c in two.choices[:2]] == texts
+
+
+def test_n2_greedy_chat_stream(client):
+    seen = {0: "", 1: ""}
+    finishes = {}
+    for chunk in client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, n=2, temperature=0, max_tokens=6, logit_bias=NO_EOS, stream=True
+    ):
+        choice = chunk.choices[0]
+        seen[choice.index] += choice.delta.content or ""
+        if choice.finish_reason:
+            finishes[choice.index] = choice.finish_reason
+    assert seen[0] == seen[1] != "" and finishes == {0: "length", 1: "length"}
+
+
+def test_stop_strings_are_cut_from_the_text(client):
+    settings = dict(model=MODEL_NAME, prompt="question: what is", max_tokens=16, temperature=0, logit_bias=NO_EOS)
+    text = client.completions.create(**settings).choices[0].text
+    # a stop string that first occurs inside the text, away from its start
+    start = next(
+        k
+        for k in range(1, len(text) - 1)
+        if text[k : k + 2].isascii() and text[k : k + 2].isprintable() and text.find(text[k : k + 2]) == k
+    )
+    stop = text[start : start + 2]
+    cut = client.completions.create(stop=stop, **settings).choices[0]
+    assert cut.text == text[:start] and cut.finish_reason == "stop"
+    listed = client.completions.create(stop=["zzzz", stop], **settings).choices[0]
+    assert listed.text == text[:start] and listed.finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stop=[stop], stream=True, **settings))
+    assert streamed == text[:start]
+
+
+def test_logprobs(client):
+    out = client.completions.create(
+        model=MODEL_NAME, prompt="the stop sign", max_tokens=6, temperature=0, logprobs=2, logit_bias=NO_EOS
+    )
+    logprobs = out.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
+    for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
+        assert chosen <= 0 and len(top) <= 2 and max(top.values()) == pytest.approx(chosen)  # greedy: the best
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=CHAT,
+        max_tokens=5,
+        temperature=0.8,
+        seed=1,
+        logprobs=True,
+        top_logprobs=3,
+        logit_bias=NO_EOS,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(entry.top_logprobs) == 3 for entry in content)
+    assert all(entry.logprob <= 0 and entry.bytes == list(entry.token.encode()) for entry in content)
+    streamed = []
+    for chunk in client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=CHAT,
+        max_tokens=5,
+        temperature=0.8,
+        seed=1,
+        logprobs=True,
+        top_logprobs=3,
+        logit_bias=NO_EOS,
+        stream=True,
+    ):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.content
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content])
+
+
+def test_echo_and_default_max_tokens(client):
+    out = client.completions.create(model=MODEL_NAME, prompt="stars and", echo=True, temperature=0, logit_bias=NO_EOS)
+    assert out.choices[0].text.startswith("stars and") and out.usage.completion_tokens == 16  # OpenAI's default
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME, prompt="stars and", echo=True, temperature=0, logit_bias=NO_EOS, stream=True
+        )
+    )
+    assert chunks[0].choices[0].text == "stars and"
+    assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
+
+
+# --- load, disconnects, a full queue ------------------------------------------------------------------
+
+
+def test_64_concurrent_streaming_clients(server, model):
+    before = metric(server, "hfpaged_generation_tokens_total")
+
+    async def one(client, i):
+        stream = await client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": f"{TEXTS[i % len(TEXTS)]} {i}"}],
+            max_tokens=8,
+            temperature=0.7,
+            seed=i,
+            logit_bias=NO_EOS,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        text, finish, usage = "", None, None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage:
+                usage = chunk.usage
+        return text, finish, usage
+
+    async def main():
+        async with AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    results = asyncio.run(main())
+    assert len(results) == 64
+    assert all(finish == "length" and usage.completion_tokens == 8 for _, finish, usage in results)
+    assert metric(server, "hfpaged_generation_tokens_total") - before == 64 * 8
+    wait_until_idle(server)
+    stats = hfpaged.stats(model)
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server, model):
+    aborted = metric(server, "hfpaged_requests_finished_total", '{finish_reason="abort"}')
+    generated = metric(server, "hfpaged_generation_tokens_total")
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "the stop sign",
+        "max_tokens": 400,
+        "temperature": 0,
+        "logit_bias": NO_EOS,
+        "stream": True,
+    }
+    with httpx.Client(timeout=30) as http, http.stream("POST", server.url + "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert sum(1 for line, _ in zip((x for x in lines if x.startswith("data: ")), range(3))) == 3
+    # leaving the block closes the connection mid-stream
+    wait_until_idle(server)
+    assert metric(server, "hfpaged_requests_finished_total", '{finish_reason="abort"}') == aborted + 1
+    assert metric(server, "hfpaged_generation_tokens_total") - generated < 400  # stopped early
+    # a non-streaming client that gives up (read timeout) is aborted too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=0.3)
+    wait_until_idle(server)
+    assert metric(server, "hfpaged_requests_finished_total", '{finish_reason="abort"}') == aborted + 2
+    stats = hfpaged.stats(model)
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+@pytest.fixture(scope="module")
+def one_seq_model(tokenizer):
+    """A second model that decodes one sequence at a time (its own pool): others must wait."""
+    m = make_model("llama", vocab_size=len(tokenizer), seed=3)
+    hfpaged.patch(m, num_blocks=160, block_size=4, max_num_seqs=1, tokenizer=tokenizer)
+    return m
+
+
+def test_queue_full_gives_429(one_seq_model, tokenizer):
+    with Server(one_seq_model, tokenizer, port=0, served_model_name=MODEL_NAME, max_waiting=1) as srv:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        loop = srv.serving.engine_loop
+        body = {
+            "model": MODEL_NAME,
+            "prompt": "the stop sign",
+            "max_tokens": 300,
+            "temperature": 0,
+            "logit_bias": NO_EOS,
+            "stream": True,
+        }
+        with httpx.Client(timeout=60) as http, http.stream("POST", srv.url + "/v1/completions", json=body) as running:
+            assert next(x for x in running.iter_lines() if x.startswith("data: "))  # it runs: the one slot is taken
+            waiting = {}
+            thread = threading.Thread(
+                target=lambda: waiting.setdefault(
+                    "out",
+                    client.completions.create(
+                        model=MODEL_NAME, prompt="stars and", max_tokens=4, temperature=0, logit_bias=NO_EOS
+                    ),
+                )
+            )
+            thread.start()
+            deadline = time.monotonic() + 10
+            while len(loop.waiting) < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            with pytest.raises(openai.RateLimitError) as refused:
+                client.completions.create(model=MODEL_NAME, prompt="a quick", max_tokens=4, temperature=0)
+            assert refused.value.status_code == 429 and refused.value.body["code"] == "queue_full"
+        # the running stream was closed (aborted): the waiting request gets the slot and finishes
+        thread.join(30)
+        assert waiting["out"].usage.completion_tokens == 4
+        good_request(client)
+        assert metric(srv, "hfpaged_requests_rejected_total", '{status="429"}') == 1
+        wait_until_idle(srv)
+    stats = hfpaged.stats(one_seq_model)
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+# --- bad input ----------------------------------------------------------------------------------------
+
+LONG_PROMPT = list(range(3, 303)) * 2  # 600 token ids: longer than the model's 512 positions
+
+BAD_INPUTS = [
+    # (path, body, status, param, words in the message)
+    ("/v1/completions", b"{not json", 400, None, "not valid JSON"),
+    ("/v1/completions", b"[1, 2]", 400, None, "JSON object"),
+    ("/v1/completions", {"model": MODEL_NAME}, 400, "prompt", "Missing required parameter"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens", "integer"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "greater"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": 5}, 400, "prompt", "expected a string"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": ""}, 400, "prompt", "empty"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "temperature": 3}, 400, "temperature", "less than"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "frobnicate": 1}, 400, "frobnicate", "Unrecognized"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "suffix": "x"}, 400, "suffix", "not supported"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": LONG_PROMPT}, 400, "prompt", "maximum context length"),
+    (
+        "/v1/completions",
+        {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 600},
+        400,
+        "max_tokens",
+        "maximum context length",
+    ),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "n": 40, "temperature": 1}, 400, None, "max_num_seqs"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "n": 129}, 400, "n", "less than or equal to 128"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": [[5, 999999]]}, 400, None, "outside the vocabulary"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias", "token ids"),
+    (
+        "/v1/completions",
+        {"model": MODEL_NAME, "prompt": "hi", "logit_bias": {"9999": 1}},
+        400,
+        "logit_bias",
+        "outside the vocabulary",
+    ),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "stop": [""]}, 400, "stop", "empty"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo", "prompt log"),
+    ("/v1/completions", {"model": "gpt-4o", "prompt": "hi"}, 404, "model", "does not exist"),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": []}, 400, "messages", "at least one message"),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL_NAME, "messages": [{"role": "user"}], "tools": [{"type": "function"}]},
+        400,
+        "tools",
+        "tool calling",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "hi"}]},
+        400,
+        "messages[0].role",
+        "Invalid value",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL_NAME, "messages": [{"role": "user", "content": 7}]},
+        400,
+        "messages[0].content",
+        "expected a string",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}],
+        },
+        400,
+        "messages[0].content[0]",
+        "text parts only",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL_NAME, "messages": CHAT, "top_logprobs": 2},
+        400,
+        "top_logprobs",
+        "logprobs",
+    ),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": CHAT, "stream": "yes"}, 400, "stream", "boolean"),
+    ("/v1/chat/completions", {"model": "nope", "messages": CHAT}, 404, "model", "does not exist"),
+    ("/v1/nothing-here", {}, 404, None, "Not Found"),
+]
+
+
+@pytest.mark.parametrize(
+    "path, body, status, param, words",
+    BAD_INPUTS,
+    ids=[f"{i}-{case[3] or case[4]}" for i, case in enumerate(BAD_INPUTS)],
+)
+def test_bad_input_is_refused_clearly_and_the_server_keeps_serving(server, client, path, body, status, param, words):
+    kwargs = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
+    response = httpx.post(server.url + path, timeout=30, **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert words in error["message"], error
+    assert error["param"] == param and error["type"]
+    good_request(client)
+
+
+def test_openai_client_raises_typed_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="max_num_seqs"):
+        client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2, n=33, temperature=1)
+    with pytest.raises(openai.BadRequestError, match="Unrecognized request argument supplied: foo"):
+        client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2, extra_body={"foo": 1})
+    good_request(client)
+
+
+# --- shutdown, the CLI --------------------------------------------------------------------------------
+
+
+def test_graceful_shutdown_finishes_or_aborts_in_flight_requests(one_seq_model, tokenizer):
+    def stream_in_thread(srv, max_tokens, out):
+        body = {
+            "model": MODEL_NAME,
+            "prompt": "the stop sign",
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "logit_bias": NO_EOS,
+            "stream": True,
+        }
+        started = threading.Event()
+
+        def run():
+            try:
+                with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as response:
+                    for line in response.iter_lines():
+                        if line.startswith("data: "):
+                            out.append(line)
+                            started.set()
+            except httpx.HTTPError as exc:  # the server may cut the connection when it aborts
+                out.append(exc)
+            started.set()
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        assert started.wait(30)
+        return thread
+
+    # time to finish: the in-flight request completes normally
+    finished = []
+    srv = Server(one_seq_model, tokenizer, port=0, served_model_name=MODEL_NAME, shutdown_timeout=30).start()
+    thread = stream_in_thread(srv, 24, finished)
+    srv.stop()
+    thread.join(30)
+    assert finished[-1] == "data: [DONE]" and '"finish_reason":"length"' in finished[-2]
+    # no time: the request is aborted, the thread ends, the pool is all free
+    aborted = []
+    srv = Server(one_seq_model, tokenizer, port=0, served_model_name=MODEL_NAME, shutdown_timeout=0.1).start()
+    thread = stream_in_thread(srv, 400, aborted)
+    srv.stop()
+    thread.join(30)
+    assert not thread.is_alive() and not srv.thread.is_alive()
+    assert isinstance(aborted[-1], httpx.HTTPError) and len(aborted) < 400  # cut off mid-stream
+    stats = hfpaged.stats(one_seq_model)
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_cli_arguments():
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "/models/x",
+            "--port",
+            "9000",
+            "--max-num-seqs",
+            "8",
+            "--gpu-memory-utilization",
+            "0.5",
+            "--max-waiting",
+            "3",
+            "--dtype",
+            "float32",
+        ]
+    )
+    assert (args.model, args.port, args.max_num_seqs, args.gpu_memory_utilization, args.max_waiting, args.dtype) == (
+        "/models/x",
+        9000,
+        8,
+        0.5,
+        3,
+        "float32",
+    )
+    assert build_parser().parse_args(["serve", "--demo"]).demo
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--dtype", "int3"])
+
+
+# --- text as tokens arrive ----------------------------------------------------------------------------
+
+
+class _DecodeOnly:
+    """The tokenizer seen through ``decode`` alone (no fast backend): the windowed decoder is used."""
+
+    def __init__(self, tokenizer):
+        self.decode = tokenizer.decode
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["decode-stream", "window"])
+def test_incremental_text_adds_up_and_never_sends_a_stop_string(tokenizer, fast):
+    from hfpaged.serve.text_output import IncrementalText
+
+    text = "café naïve — 中文 🙂 the stop sign stopped the story"
+    ids = tokenizer(text)["input_ids"]
+    assert tokenizer.decode(ids) == text
+
+    def pieces(stop):
+        incremental = IncrementalText(tokenizer if fast else _DecodeOnly(tokenizer), stop)
+        return [incremental.push(ids[: i + 1], i == len(ids) - 1) for i in range(len(ids))], incremental
+
+    plain, incremental = pieces([])
+    assert "".join(plain) == text == incremental.text and not incremental.stopped
+    assert not any("\ufffd" in piece for piece in plain)  # characters split over tokens are never half sent
+    for stop, expected in [
+        (["stop"], "café naïve — 中文 🙂 the "),
+        (["🙂", "zz"], "café naïve — 中文 "),
+        (["the story"], "café naïve — 中文 🙂 the stop sign stopped "),
+    ]:
+        cut, incremental = pieces(stop)
+        assert "".join(cut) == expected == incremental.text and incremental.stopped
