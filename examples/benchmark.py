@@ -110,7 +110,7 @@ def build_model(name: str, dtype: torch.dtype):
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # the CPU only for smoke tests
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model.eval()
 

@@ -10,6 +10,7 @@ from .engine import Engine
 from .generate import generate_many
 from .outputs import GenerationResult, RequestOutput, SequenceOutput
 from .patch import patch, reset_prefix_cache, stats, unpatch
+from .serve import Server
 from .streaming import StreamEvent, astream_many, stream_many
 
 __all__ = [
@@ -18,13 +19,16 @@ __all__ = [
     "GenerationResult",
     "RequestOutput",
     "SequenceOutput",
+    "Server",
     "StreamEvent",
     "astream_many",
     "generate_many",
     "patch",
     "reset_prefix_cache",
+    "serve",
     "stats",
     "stream_many",
     "unpatch",
 ]
 __version__ = "0.1.0"
+# ``hfpaged.serve`` is the server package, and calling it serves a model: hfpaged.serve(model, tokenizer)

@@ -1,9 +1,12 @@
-"""Helpers that measure hfpaged against stock ``generate``: greedy agreement with its yardstick, and the KV
-blocks parallel sampling saves. Used by the test suite, ``examples/benchmark.py`` and ``examples/quickstart.py``.
+"""Helpers that measure hfpaged: greedy agreement with stock ``generate`` next to its yardstick, the KV blocks
+parallel sampling saves, and a soak of many short requests (memory and pool flat). Used by the test suite and
+the scripts in ``examples/``.
 """
 
 from __future__ import annotations
 
+import os
+import random
 import time
 from typing import Any
 
@@ -11,7 +14,7 @@ import torch
 
 from .engine import Engine
 from .model.kv_cache import block_bytes
-from .patch import patch, unpatch
+from .patch import patch, stats, unpatch
 
 
 def greedy_parity(
@@ -123,3 +126,78 @@ def parallel_sampling_kv(
     }
     out["block_ratio"] = out["parallel"]["peak_blocks"] / out["independent"]["peak_blocks"]
     return out
+
+
+def _rss_mib() -> float:
+    """This process's resident memory now (Linux /proc; ru_maxrss elsewhere, which only grows)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def engine_sizes(model: Any) -> dict[str, int]:
+    """How many entries the engine's per-request structures hold (all zero, or bounded, when idle)."""
+    core = model._hfpaged.engine
+    kv = core.kv
+    context = core.runner.sampler.context
+    return {
+        "unfinished_requests": len(core.scheduler.requests),
+        "owners": len(core.owners),
+        "kv_tables": len(kv._blocks) + len(kv._cpu_blocks) + len(kv._hashes),
+        "runner_states": len(core.runner.batch.states),
+        "token_count_slots": len(context.token_counts.slot_of) if context is not None else 0,
+    }
+
+
+def soak(
+    model: Any,
+    num_requests: int = 100_000,
+    wave: int = 2_000,
+    prompt_len: tuple[int, int] = (4, 24),
+    new_tokens: tuple[int, int] = (1, 8),
+    seed: int = 0,
+    **settings: Any,
+) -> dict[str, Any]:
+    """Many short requests through ``generate_many`` in waves; after each wave, host RSS, GPU memory, free
+    blocks and the engine's per-request structures. Flat figures after the first waves: nothing leaks."""
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    samples, num_tokens, done = [], 0, 0
+    start = time.perf_counter()
+    while done < num_requests:
+        count = min(wave, num_requests - done)
+        entries = [
+            {
+                "prompt": [rng.randrange(10, vocab - 10) for _ in range(rng.randint(*prompt_len))],
+                "max_new_tokens": rng.randint(*new_tokens),
+            }
+            for _ in range(count)
+        ]
+        results = model.generate_many(entries, do_sample=False, eos_token_id=None, **settings)
+        num_tokens += sum(len(r.token_ids) for r in results)
+        done += count
+        st = stats(model)
+        sample = {
+            "requests": done,
+            "seconds": time.perf_counter() - start,
+            "rss_mib": _rss_mib(),
+            "free_blocks": st["num_free_blocks"],
+            "num_blocks": st["num_blocks"],
+            **engine_sizes(model),
+        }
+        if torch.cuda.is_available():
+            sample["gpu_allocated_mib"] = torch.cuda.memory_allocated() / 2**20
+            sample["gpu_reserved_mib"] = torch.cuda.memory_reserved() / 2**20
+        samples.append(sample)
+    seconds = time.perf_counter() - start
+    return {
+        "num_requests": done,
+        "tokens": num_tokens,
+        "seconds": seconds,
+        "tokens_per_s": num_tokens / seconds,
+        "samples": samples,
+    }

@@ -615,3 +615,12 @@ def test_incremental_text_adds_up_and_never_sends_a_stop_string(tokenizer, fast)
     ]:
         cut, incremental = pieces(stop)
         assert "".join(cut) == expected == incremental.text and incremental.stopped
+
+
+def test_hfpaged_serve_is_callable_for_a_model_in_memory(monkeypatch):
+    """``hfpaged.serve(model, tokenizer, ...)`` is ``hfpaged.serve.serve`` (the package stays importable)."""
+    calls = []
+    monkeypatch.setattr(hfpaged.serve, "serve", lambda *args, **kwargs: calls.append((args, kwargs)))
+    hfpaged.serve("model", "tokenizer", port=8123)
+    assert calls == [(("model", "tokenizer"), {"port": 8123})]
+    assert hfpaged.serve.Server is hfpaged.Server
