@@ -24,7 +24,7 @@ from .core.block_pool import cdiv
 from .core.request import Request, RequestGroup
 from .model import hf_compat
 from .sampling.beam_search import BeamSearch
-from .sampling.params import CallOptions, ResolvedConfig, make_request_params, resolve_generation_config
+from .sampling.params import CallOptions, ResolvedConfig, make_request_params, prompt_name, resolve_generation_config
 
 if TYPE_CHECKING:
     from .model.attach import PatchState
@@ -120,28 +120,28 @@ def to_token_ids(prompt: Any, index: int | None, tokenizer: Any) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(
-                f"prompt {index} is a string but no tokenizer is known; pass tokenizer= to generate_many or patch, "
+                f"{prompt_name(index)} is a string but no tokenizer is known; pass tokenizer= to generate_many or patch, "
                 "or give token-id lists"
             )
         return list(tokenizer(prompt)["input_ids"])
     if isinstance(prompt, (torch.Tensor, np.ndarray)):
         if not _is_int_array(prompt):
             raise TypeError(
-                f"prompt {index} is a {type(prompt).__name__} of dtype {prompt.dtype}; token ids must be integers"
+                f"{prompt_name(index)} is a {type(prompt).__name__} of dtype {prompt.dtype}; token ids must be integers"
             )
         if prompt.ndim == 2 and prompt.shape[0] == 1:
             prompt = prompt[0]
         if prompt.ndim != 1:
             raise ValueError(
-                f"prompt {index} has shape {tuple(prompt.shape)}; a prompt is 1-D token ids (pass a 2-D tensor as the "
+                f"{prompt_name(index)} has shape {tuple(prompt.shape)}; a prompt is 1-D token ids (pass a 2-D tensor as the "
                 "prompts argument itself for a batch of rows)"
             )
         return [int(t) for t in prompt.tolist()]
     if isinstance(prompt, (list, tuple)):
         if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
-            raise ValueError(f"prompt {index} must be a string or a list of int token ids")
+            raise ValueError(f"{prompt_name(index)} must be a string or a list of int token ids")
         return [int(t) for t in prompt]
-    raise TypeError(f"prompt {index} has unsupported type {type(prompt).__name__}; give a string or token ids")
+    raise TypeError(f"{prompt_name(index)} has unsupported type {type(prompt).__name__}; give a string or token ids")
 
 
 @dataclass
@@ -178,7 +178,7 @@ def expand_prompts(
         if isinstance(prompt, dict):
             entry = dict(prompt)
             if "prompt" not in entry:
-                raise ValueError(f"prompt {index} is a dict without a 'prompt' key")
+                raise ValueError(f"{prompt_name(index)} is a dict without a 'prompt' key")
             prompt = entry.pop("prompt")
             config = entry.pop("generation_config", config)
             own_kwargs, own_options = split_call_options(entry)
@@ -292,7 +292,7 @@ class PromptMaker:
         num_sequences = max(params.num_beams, params.num_return_sequences)
         if num_sequences > state.config.max_num_seqs:
             raise ValueError(
-                f"prompt {index} runs {num_sequences} sequences at once (num_beams / num_return_sequences) but "
+                f"{prompt_name(index)} runs {num_sequences} sequences at once (num_beams / num_return_sequences) but "
                 f"max_num_seqs is {state.config.max_num_seqs}"
             )
         request = Request(
@@ -311,13 +311,13 @@ class PromptMaker:
     def _validate_tokens(self, token_ids: list[int], index: int | None) -> None:
         state = self.state
         if not token_ids:
-            raise ValueError(f"prompt {index} is empty")
+            raise ValueError(f"{prompt_name(index)} is empty")
         bad = next((t for t in token_ids if t < 0 or t >= state.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"prompt {index} has token id {bad} outside the vocabulary [0, {state.vocab_size})")
+            raise ValueError(f"{prompt_name(index)} has token id {bad} outside the vocabulary [0, {state.vocab_size})")
         if state.max_model_len is not None and len(token_ids) > state.max_model_len:
             raise ValueError(
-                f"prompt {index} has {len(token_ids)} tokens, more than the model's maximum of "
+                f"{prompt_name(index)} has {len(token_ids)} tokens, more than the model's maximum of "
                 f"{state.max_model_len} positions"
             )
 
@@ -329,13 +329,13 @@ class PromptMaker:
         blocks = cdiv(max_slots, block_size)
         if blocks > num_blocks:
             raise ValueError(
-                f"prompt {index} needs up to {max_slots} KV slots ({blocks} blocks of {block_size}) "
+                f"{prompt_name(index)} needs up to {max_slots} KV slots ({blocks} blocks of {block_size}) "
                 f"but the pool holds only {num_blocks} blocks; raise num_blocks or lower max_new_tokens"
             )
         # the beams of a group run (and, after a preemption, are recomputed) together: all must fit at once
         if num_beams > 1 and num_beams * blocks > num_blocks:
             raise ValueError(
-                f"prompt {index} with num_beams={num_beams} needs up to {num_beams} x {blocks} blocks of "
+                f"{prompt_name(index)} with num_beams={num_beams} needs up to {num_beams} x {blocks} blocks of "
                 f"{block_size} slots but the pool holds only {num_blocks} blocks; raise num_blocks or lower max_new_tokens"
             )
 

@@ -41,6 +41,11 @@ _UNSUPPORTED_TRUE = {
 }
 
 
+def prompt_name(index: int | None) -> str:
+    """How errors name a prompt: its place in the caller's list, when it has one."""
+    return "the prompt" if index is None else f"prompt {index}"
+
+
 def _is_finite(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -208,7 +213,7 @@ def make_request_params(
     )
     if prompt_len >= config.max_length:
         raise ValueError(
-            f"prompt {index} has {prompt_len} tokens but max_length is {config.max_length} "
+            f"{prompt_name(index)} has {prompt_len} tokens but max_length is {config.max_length} "
             "(as in generate, this is an error); set max_new_tokens or a larger max_length"
         )
     if options.logit_bias:

@@ -127,7 +127,7 @@ class EngineLoop:
         if error is not None:
             self._forget(ids)
             if isinstance(error, (ValueError, TypeError)):
-                raise invalid_request(str(error).replace("prompt None", "the prompt")) from None
+                raise invalid_request(str(error)) from None
             raise APIError(f"The engine failed to add the request: {error}", status_code=500, type="server_error")
         self.metrics.prompt_tokens.inc(sum(len(s.prompt_token_ids) for s in submissions))
         return sink
