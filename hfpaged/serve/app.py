@@ -13,8 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-import hfpaged
-
+from ..patch import stats as pool_stats
 from .chat import create_chat_completion
 from .completions import create_completion
 from .context import ServingContext
@@ -30,7 +29,7 @@ def model_limits(model: Any) -> ModelLimits:
     """Context length, KV pool capacity and vocabulary size of a patched model."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     max_model_len = getattr(config, "max_position_embeddings", None)
-    stats = hfpaged.stats(model)
+    stats = pool_stats(model)
     return ModelLimits(
         max_model_len=int(max_model_len) if max_model_len else None,
         max_pool_tokens=stats["num_blocks"] * stats["block_size"],

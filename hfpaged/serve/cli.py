@@ -85,7 +85,8 @@ def warm_up(model: Any, tokenizer: Any) -> float:
 
 def serve_command(args: argparse.Namespace) -> None:
     """Load, patch, warm up and serve until interrupted."""
-    import hfpaged
+    from ..patch import patch
+    from ..patch import stats as pool_stats
 
     if args.demo == (args.model is not None):
         sys.exit("hfpaged serve: give a MODEL_PATH or --demo (one of them)")
@@ -98,7 +99,7 @@ def serve_command(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     print(f"hfpaged: loading {path} ...", flush=True)
     model, tokenizer = load_model(path, args.device, args.dtype)
-    hfpaged.patch(
+    patch(
         model,
         tokenizer=tokenizer,
         block_size=args.block_size,
@@ -110,7 +111,7 @@ def serve_command(args: argparse.Namespace) -> None:
         compile=args.compile,
         enable_prefix_caching=not args.no_prefix_caching,
     )
-    stats = hfpaged.stats(model)
+    stats = pool_stats(model)
     print(
         f"hfpaged: KV pool of {stats['num_blocks']} blocks x {stats['block_size']} tokens on {model.device}, "
         f"{model.dtype}",

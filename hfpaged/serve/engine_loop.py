@@ -21,8 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import hfpaged
-
+from ..engine import Engine
+from ..outputs import RequestOutput
+from ..patch import stats as pool_stats
 from .errors import APIError, invalid_request, queue_full, shutting_down
 from .metrics import ServerMetrics
 
@@ -73,10 +74,10 @@ class EngineLoop:
 
     def __init__(self, model: Any, tokenizer: Any, *, max_waiting: int):
         self.model = model
-        self.engine = hfpaged.Engine(model, tokenizer=tokenizer)
+        self.engine = Engine(model, tokenizer=tokenizer)
         self.max_waiting = max_waiting
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
-        self.stats: dict[str, Any] = hfpaged.stats(model)  # the latest snapshot, written by the engine thread
+        self.stats: dict[str, Any] = pool_stats(model)  # the latest snapshot, written by the engine thread
         self.num_steps = 0
         # event-loop side
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -160,7 +161,7 @@ class EngineLoop:
             self.running.discard(request_id)
         return found
 
-    def _deliver(self, outputs: list[hfpaged.RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
         metrics = self.metrics
         metrics.generation_tokens.inc(sum(len(output.new_token_ids) for output in outputs))
@@ -204,7 +205,7 @@ class EngineLoop:
             while True:
                 commands = []
                 if not engine.has_unfinished():
-                    self.stats = hfpaged.stats(self.model)
+                    self.stats = pool_stats(self.model)
                     commands.append(self.commands.get())  # sleep until there is work
                 while True:
                     try:
@@ -265,7 +266,7 @@ class EngineLoop:
                         del self.unfinished[request_id]
                     else:
                         self.unfinished[request_id] = left - 1
-        self.stats = hfpaged.stats(self.model)
+        self.stats = pool_stats(self.model)
         if outputs:
             self._call(self._deliver, outputs)
 
@@ -278,7 +279,7 @@ class EngineLoop:
             if not self.engine.has_unfinished():
                 break
             self.engine.step()
-        self.stats = hfpaged.stats(self.model)
+        self.stats = pool_stats(self.model)
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:

@@ -14,8 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import hfpaged
-
+from ..outputs import RequestOutput
 from .engine_loop import EngineFailure, EngineLoop, Submission
 from .protocol import SamplingRequest
 from .request_params import seed_for, stop_strings
@@ -158,7 +157,7 @@ class Generation:
         async for _ in self.deltas():
             pass
 
-    def _advance(self, choice: Choice, output: hfpaged.RequestOutput) -> str:
+    def _advance(self, choice: Choice, output: RequestOutput) -> str:
         """Take one output into its choice; the text it releases."""
         choice.token_ids.extend(output.new_token_ids)
         if output.new_logprobs is not None:
