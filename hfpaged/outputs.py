@@ -9,7 +9,7 @@ if TYPE_CHECKING:
     from .core.request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What one request gained in one engine step."""
 
@@ -45,25 +45,28 @@ def make_request_output(
 ) -> RequestOutput:
     """What ``request`` gained: its last ``len(new_token_ids)`` tokens (by default, its own state), or a
     whole returned sequence (beam search: ``all_token_ids``, ``finish_reason`` and ``sequence_index`` given)."""
-    own = all_token_ids is None
-    all_ids = request.all_token_ids if own else all_token_ids
-    logprobs = request.logprobs if own else None
-    top_logprobs = request.top_logprobs if own else None
-    num_new = len(new_token_ids)
+    if all_token_ids is None:  # the request's own progress: its last len(new_token_ids) tokens
+        all_token_ids = request.all_token_ids
+        num_new = len(new_token_ids)
+        logprobs, top = request.logprobs, request.top_logprobs
+        new_logprobs = None if logprobs is None else logprobs[len(logprobs) - num_new :]
+        new_top = None if top is None else top[len(top) - num_new :]
+    else:
+        new_logprobs = new_top = None
     return RequestOutput(
-        request_id=request.request_id,
-        index=request.index,
-        new_token_ids=list(new_token_ids),
-        finished=request.is_finished if finished is None else finished,
-        finish_reason=request.finish_reason if finish_reason is None else finish_reason,
-        new_logprobs=None if logprobs is None else logprobs[len(logprobs) - num_new :],
-        new_top_logprobs=None if top_logprobs is None else top_logprobs[len(top_logprobs) - num_new :],
-        all_token_ids=all_ids,
-        num_prompt_tokens=request.num_prompt_tokens,
-        num_tokens=len(all_ids),
-        sequence_index=request.sequence_index if sequence_index is None else sequence_index,
-        error=request.error,
-        prompt_id=request.prompt_id,
+        request.request_id,
+        request.index,
+        list(new_token_ids),
+        request.is_finished if finished is None else finished,
+        request.finish_reason if finish_reason is None else finish_reason,
+        new_logprobs,
+        new_top,
+        all_token_ids,
+        request.num_prompt_tokens,
+        len(all_token_ids),
+        request.sequence_index if sequence_index is None else sequence_index,
+        request.error,
+        request.prompt_id,
     )
 
 

@@ -9,7 +9,7 @@ import torch
 from models import make_model, random_prompts, reference_generate
 
 import hfpaged
-from hfpaged.core.runner_output import ModelRunnerOutput, SampledToken
+from hfpaged.core.runner_output import ModelRunnerOutput
 from hfpaged.model.input_batch import device_views
 
 
@@ -45,8 +45,8 @@ def test_compiled_decode_forward_matches_stock_generate():
         tokens = logits[: host.num_sampled].argmax(-1).tolist()
         for state, token in zip(host.sample_states, tokens):
             state.append_token(token)  # what reading a StepResult does
-        sampled = [SampledToken(state.request_id, t) for state, t in zip(host.sample_states, tokens)]
-        core.scheduler.update_from_output(out, ModelRunnerOutput(sampled))
+        request_ids = [state.request_id for state in host.sample_states]
+        core.scheduler.update_from_output(out, ModelRunnerOutput(request_ids, tokens))
     assert runner._compiled is not None
     assert [r.output_token_ids for r in requests] == expected
     st = hfpaged.stats(model)

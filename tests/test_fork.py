@@ -93,8 +93,8 @@ def test_update_forks_children_with_their_own_tokens_and_stop_checks():
     s.add(parent)
     out = s.schedule()
     assert out.new_requests[0].num_forks == 2
-    forks = [ForkedSample(i, params(eos=(99,)), SampledToken(f"p.{i}", t)) for i, t in ((1, 99), (2, 52))]
-    outputs = s.update_from_output(out, ModelRunnerOutput([SampledToken("p", 50)], forks={"p": forks}))
+    forks = [ForkedSample(i, params(eos=(99,)), SampledToken(t)) for i, t in ((1, 99), (2, 52))]
+    outputs = s.update_from_output(out, ModelRunnerOutput(["p"], [50], forks={"p": forks}))
     children = parent.group.members[1:]
     assert [(o.request_id, o.prompt_id, o.sequence_index, o.new_token_ids) for o in outputs] == [
         ("p", "p", 0, [50]),

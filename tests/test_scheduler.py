@@ -5,7 +5,7 @@ from transformers import GenerationConfig
 from hfpaged.core.config import EngineConfig
 from hfpaged.core.kv_manager import KVManager
 from hfpaged.core.request import Request, RequestStatus
-from hfpaged.core.runner_output import ModelRunnerOutput, SampledToken
+from hfpaged.core.runner_output import ModelRunnerOutput
 from hfpaged.core.scheduler import Scheduler
 from hfpaged.sampling.params import RequestParams
 
@@ -43,7 +43,7 @@ def plan(out):
 
 def update(s, out, tokens):
     """What the runner would return: ``tokens`` (request id -> sampled token) for the rows it sampled."""
-    return s.update_from_output(out, ModelRunnerOutput([SampledToken(rid, t) for rid, t in tokens.items()]))
+    return s.update_from_output(out, ModelRunnerOutput(list(tokens), list(tokens.values())))
 
 
 def step(s, token=7):

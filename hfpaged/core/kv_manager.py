@@ -105,11 +105,13 @@ class KVManager:
                 self.counters["prefix_cache_queries"] += request.num_tokens
                 self.counters["prefix_cache_hits"] += len(prefix_hits) * self.block_size
             return True
-        blocks = self._blocks.setdefault(rid, [])
-        needed = max(0, self.blocks_for(num_tokens) - len(blocks))
+        blocks = self._blocks.get(rid)
+        if blocks is None:
+            blocks = self._blocks[rid] = []
+        needed = max(0, cdiv(num_tokens, self.block_size) - len(blocks))
         write_index = request.num_computed_tokens // self.block_size
         shared = write_index < len(blocks) and pool.ref_counts[blocks[write_index]] > 1
-        if needed + shared == 0:
+        if needed + shared == 0:  # the usual decode: room in its own last block
             return True
         if pool.num_free_blocks - needed - shared < keep_free:
             return False

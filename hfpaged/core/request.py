@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ..sampling.beam_search import BeamSearch
     from ..sampling.params import RequestParams
-    from .runner_output import SampledToken
 
 
 class RequestStatus(enum.Enum):
@@ -110,15 +109,15 @@ class Request:
         """Every sequence of this request's prompt (itself alone unless it is part of a group)."""
         return self.group.members if self.group is not None else [self]
 
-    def append_sampled(self, sampled: SampledToken) -> None:
+    def append_token(self, token_id: int, logprob: float | None = None, top_logprobs: dict | None = None) -> None:
         """Append a sampled token (and its log-probabilities when the request keeps them)."""
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
-        self.all_token_ids.append(sampled.token_id)
-        if self.logprobs is not None and sampled.logprob is not None:
-            self.logprobs.append(sampled.logprob)
+        self.all_token_ids.append(token_id)
+        if self.logprobs is not None and logprob is not None:
+            self.logprobs.append(logprob)
             if self.top_logprobs is not None:
-                self.top_logprobs.append(sampled.top_logprobs if sampled.top_logprobs is not None else {})
+                self.top_logprobs.append(top_logprobs if top_logprobs is not None else {})
 
     def __repr__(self) -> str:
         return (

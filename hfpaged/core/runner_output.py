@@ -11,13 +11,11 @@ if TYPE_CHECKING:
 
 @dataclass
 class SampledToken:
-    """One row's pick, with its log-probability (and top alternatives) when the request asked."""
+    """One pick, with its log-probability (and top alternatives) when the request asked."""
 
-    request_id: str
     token_id: int
     logprob: float | None = None
     top_logprobs: dict[int, float] | None = None
-    error: str | None = None  # the row could not be sampled (NaN/inf probabilities): the token is meaningless
 
 
 @dataclass
@@ -41,6 +39,13 @@ class BeamRound:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: list[SampledToken] = field(default_factory=list)  # in row order
+    """The step's picks, one row per sampled request (columns: cheap to build and read for many rows)."""
+
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] | None = None  # per row, when some request of the step asked
+    top_logprobs: list[dict[int, float] | None] | None = None
+    # rows that could not be sampled (NaN/inf probabilities), by request id: their token is meaningless
+    errors: dict[str, str] = field(default_factory=dict)
     forks: dict[str, list[ForkedSample]] = field(default_factory=dict)  # by parent request id
     beam_rounds: list[BeamRound] = field(default_factory=list)

@@ -203,13 +203,14 @@ class Scheduler:
 
         # A request whose placeholder token (sampled by the step still in flight) ends it by length is not
         # planned again: it finishes when that token is read back.
-        decodes = [
-            r
-            for r in self.running
-            if r.num_tokens - r.num_computed_tokens == 1
-            and not (r.num_output_placeholders and r.num_tokens >= r.params.max_length)
-        ]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        decodes, prefills = [], []
+        for r in self.running:
+            num_tokens = r.num_tokens
+            behind = num_tokens - r.num_computed_tokens
+            if behind == 1 and not (r.num_output_placeholders and num_tokens >= r.params.max_length):
+                decodes.append(r)
+            elif behind > 1:
+                prefills.append(r)
         for request in decodes + prefills:
             if budget == 0:
                 break
@@ -275,18 +276,7 @@ class Scheduler:
             if item.request_id not in self._runner_has:
                 self._runner_has.add(item.request_id)
                 self.kv.take_table_update(request)
-                out.new_requests.append(
-                    NewRequestData(
-                        request_id=item.request_id,
-                        token_ids=list(request.all_token_ids),
-                        block_ids=list(self.kv.block_ids(request)),
-                        params=request.params,
-                        num_prompt_tokens=request.num_prompt_tokens,
-                        sequence_index=request.sequence_index,
-                        num_forks=request.num_forks_pending,
-                        beam_search=request.beam_search,
-                    )
-                )
+                out.new_requests.append(NewRequestData.of(request, self.kv.block_ids(request)))
             else:
                 update = self.kv.take_table_update(request)
                 if update is not None:
@@ -307,27 +297,34 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
         """Append the step's sampled tokens, fork, move beams on, finish what stops; one output per request
         that gained tokens. Requests finished since the step was scheduled are skipped."""
-        for item in out.scheduled:  # the step's KV is computed: its full blocks can serve later prompts
-            request = self.requests.get(item.request_id)
-            if request is not None and request.status is RequestStatus.RUNNING:
-                self.kv.register_computed(request)
+        requests = self.requests
+        if self.kv.prefix_cache is not None:  # the step's KV is computed: its full blocks can serve later prompts
+            bs = self.kv.block_size
+            for item in out.scheduled:
+                if (item.start + item.num_tokens) // bs > item.start // bs:
+                    request = requests.get(item.request_id)
+                    if request is not None and request.status is RequestStatus.RUNNING:
+                        self.kv.register_computed(request)
         advanced: list[Request] = []
         outputs: list[RequestOutput] = []
-        for sampled in result.sampled:
-            request = self.requests.get(sampled.request_id)
+        logprobs, top_logprobs, errors = result.logprobs, result.top_logprobs, result.errors
+        for row, (request_id, token_id) in enumerate(zip(result.request_ids, result.token_ids)):
+            request = requests.get(request_id)
             if request is None:
                 continue
             if out.overlapped:
                 request.num_output_placeholders -= 1
-            if sampled.error is not None:
-                self.finish(request, "error", sampled.error)
+            if errors and request_id in errors:
+                self.finish(request, "error", errors[request_id])
                 outputs.append(make_request_output(request, []))
                 continue
-            request.append_sampled(sampled)
+            request.append_token(
+                token_id, logprobs[row] if logprobs else None, top_logprobs[row] if top_logprobs else None
+            )
             advanced.append(request)
-            for fork in result.forks.get(request.request_id, ()):
-                advanced.append(self._fork(request, fork.sequence_index, fork.params, fork.sampled))
             if request.num_forks_pending:
+                for fork in result.forks.get(request_id, ()):
+                    advanced.append(self._fork(request, fork.sequence_index, fork.params, fork.sampled))
                 request.num_forks_pending = 0
         for beam_round in result.beam_rounds:
             outputs += self._advance_beams(beam_round)
@@ -340,7 +337,7 @@ class Scheduler:
         """Parallel sampling: sequence ``index`` of the parent's prompt forks off it with its own first token."""
         child = parent.group.add_member(f"{parent.request_id}.{index}", params, index)
         self._start_fork(child, parent)
-        child.append_sampled(sampled)
+        child.append_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
         return child
 
     def _start_fork(self, child: Request, parent: Request) -> None:

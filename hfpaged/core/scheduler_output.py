@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..sampling.params import RequestParams
+    from .request import Request
 
 
 @dataclass
@@ -37,6 +38,20 @@ class NewRequestData:
     sequence_index: int = 0  # its place among its prompt's sequences (beam slot, sample index)
     num_forks: int = 0  # parallel sampling: the other sequences it forks into at its first sample
     beam_search: Any = None  # sampling.beam_search.BeamSearch of its group, for beam members
+
+    @classmethod
+    def of(cls, request: Request, block_ids: list[int]) -> NewRequestData:
+        """A copy of what the runner needs of ``request`` now."""
+        return cls(
+            request.request_id,
+            list(request.all_token_ids),
+            list(block_ids),
+            request.params,
+            request.num_prompt_tokens,
+            request.sequence_index,
+            request.num_forks_pending,
+            request.beam_search,
+        )
 
 
 @dataclass

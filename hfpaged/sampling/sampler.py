@@ -122,6 +122,7 @@ class StepResult:
         self.top_k = top_k
         self.num_error_flags = num_error_flags
         self.forks = forks or {}
+        self._forked_ids = {child.request_id for children in self.forks.values() for _, child in children}
         self.beam_rounds = beam_rounds or []
         # everything the host needs, in one copy: the token ids alone, or one float32 row with flags/log-probs
         self._host, self._event = _copy_to_host(tokens if flat is None else flat)
@@ -133,43 +134,62 @@ class StepResult:
         if self._output is None:
             if self._event is not None:
                 self._event.synchronize()
-            self._output = self._unpack(self._host.tolist())
-            for state, sampled in zip(self.states, self._output.sampled):
+            values = self._host.tolist()
+            token_ids = values[: len(self.states)] if self._flat else values
+            for state, token_id in zip(self.states, token_ids):
                 if not state.is_finished:
-                    state.append_token(sampled.token_id)
+                    state.append_token(int(token_id))
+            self._output = self._unpack(values)
         return self._output
 
     def _unpack(self, values: list) -> ModelRunnerOutput:
         states = self.states
         num_rows = len(states)
-        rows = [SampledToken(state.request_id, int(value)) for state, value in zip(states, values[:num_rows])]
+        token_ids = [int(t) for t in values[:num_rows]] if self._flat else values
+        request_ids = [state.request_id for state in states]
+        output = ModelRunnerOutput(request_ids, token_ids, beam_rounds=self.beam_rounds)
         if self._flat:
             at = num_rows
-            for row, flag in zip(
-                range(num_rows - self.num_error_flags, num_rows), values[at : at + self.num_error_flags]
-            ):
+            first_flagged = num_rows - self.num_error_flags
+            for row, flag in enumerate(values[at : at + self.num_error_flags], start=first_flagged):
                 if flag:
-                    rows[row].error = NO_TOKEN_ERROR
+                    output.errors[request_ids[row]] = NO_TOKEN_ERROR
             at += self.num_error_flags
-            num_lp, k = len(self.logprob_rows), self.top_k
-            chosen = values[at : at + num_lp]
-            top_values = values[at + num_lp : at + num_lp + num_lp * k]
-            top_ids = values[at + num_lp + num_lp * k :]
-            for j, row in enumerate(self.logprob_rows):
-                rows[row].logprob = chosen[j]
-                wanted = states[row].params.top_logprobs
-                if wanted:
-                    pairs = zip(top_ids[j * k : j * k + wanted], top_values[j * k : j * k + wanted])
-                    rows[row].top_logprobs = {int(t): v for t, v in pairs if v != float("-inf")}
-        by_id = {row.request_id: row for row in rows}
-        forks = {
-            parent_id: [ForkedSample(index, child.params, by_id[child.request_id]) for index, child in children]
-            for parent_id, children in self.forks.items()
-        }
-        forked = {child.request_id for children in self.forks.values() for _, child in children}
-        return ModelRunnerOutput(
-            sampled=[row for row in rows if row.request_id not in forked], forks=forks, beam_rounds=self.beam_rounds
-        )
+            if self.logprob_rows:
+                num_lp, k = len(self.logprob_rows), self.top_k
+                chosen = values[at : at + num_lp]
+                top_values = values[at + num_lp : at + num_lp + num_lp * k]
+                top_ids = values[at + num_lp + num_lp * k :]
+                output.logprobs = [None] * num_rows
+                output.top_logprobs = [None] * num_rows
+                for j, row in enumerate(self.logprob_rows):
+                    output.logprobs[row] = chosen[j]
+                    wanted = states[row].params.top_logprobs
+                    if wanted:
+                        pairs = zip(top_ids[j * k : j * k + wanted], top_values[j * k : j * k + wanted])
+                        output.top_logprobs[row] = {int(t): v for t, v in pairs if v != float("-inf")}
+        if self.forks:  # the forked sequences' rows go with their parents
+            rows = {request_id: row for row, request_id in enumerate(request_ids)}
+            for parent_id, children in self.forks.items():
+                output.forks[parent_id] = [
+                    ForkedSample(index, child.params, _picked(output, rows[child.request_id]))
+                    for index, child in children
+                ]
+            keep = [row for row, state in enumerate(states) if state.request_id not in self._forked_ids]
+            output.request_ids = [request_ids[row] for row in keep]
+            output.token_ids = [token_ids[row] for row in keep]
+            if output.logprobs is not None:
+                output.logprobs = [output.logprobs[row] for row in keep]
+                output.top_logprobs = [output.top_logprobs[row] for row in keep]
+        return output
+
+
+def _picked(output: ModelRunnerOutput, row: int) -> SampledToken:
+    return SampledToken(
+        output.token_ids[row],
+        output.logprobs[row] if output.logprobs is not None else None,
+        output.top_logprobs[row] if output.top_logprobs is not None else None,
+    )
 
 
 class Sampler:
@@ -196,7 +216,11 @@ class Sampler:
             logits, states, positions, forks = _add_fork_rows(logits, states, positions)
         if not states:
             return StepResult(logits.new_zeros(0, dtype=torch.int64), [], beam_rounds=beam_rounds)
-        return self._draw(logits, states, positions, forks, beam_rounds)
+        result = self._draw(logits, states, positions, forks, beam_rounds)
+        for children in forks.values():  # not kept: the scheduler sends them whole at their first step
+            for _, child in children:
+                child.is_finished = True
+        return result
 
     def _draw(self, logits, states, positions, forks, beam_rounds) -> StepResult:
         if not any(s.params.stages or s.params.do_sample or s.params.return_logprobs for s in states):
