@@ -7,8 +7,10 @@ per-request bookkeeping after every wave, to show none of them grows (random wei
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import time
 
 import torch
@@ -27,6 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, nargs=2, default=(1, 8))
     parser.add_argument("--out", default="soak_out")
     args = parser.parse_args(argv)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: where is it now?
     os.makedirs(args.out, exist_ok=True)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     model = build_model(args.model, dtype)
@@ -34,15 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     model.generate_many([[10] * 16] * 64, max_new_tokens=4)  # warm-up: kernels and graphs
     print(f"warm-up {time.perf_counter() - t0:.1f} s", flush=True)
-    report = soak(
-        model,
-        num_requests=args.requests,
-        wave=args.wave,
-        prompt_len=tuple(args.prompt_len),
-        new_tokens=tuple(args.new_tokens),
-    )
-    report.update(model=args.model, dtype=str(dtype), stats=hfpaged.stats(model))
-    for s in report["samples"]:
+
+    def show(s: dict) -> None:
         gpu = (
             f", GPU allocated {s['gpu_allocated_mib']:.0f} MiB reserved {s['gpu_reserved_mib']:.0f} MiB"
             if "gpu_allocated_mib" in s
@@ -54,6 +50,18 @@ def main(argv: list[str] | None = None) -> None:
             f"runner states {s['runner_states']}",
             flush=True,
         )
+
+    report = soak(
+        model,
+        num_requests=args.requests,
+        wave=args.wave,
+        prompt_len=tuple(args.prompt_len),
+        new_tokens=tuple(args.new_tokens),
+        on_wave=show,
+    )
+    report.update(
+        model=args.model, dtype=str(dtype), stats=hfpaged.stats(model), timings=dict(model._hfpaged.engine.timings)
+    )
     first, last = report["samples"][min(1, len(report["samples"]) - 1)], report["samples"][-1]
     print(
         f"{report['num_requests']} requests, {report['tokens']} tokens in {report['seconds']:.1f} s "

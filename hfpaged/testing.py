@@ -160,10 +160,12 @@ def soak(
     prompt_len: tuple[int, int] = (4, 24),
     new_tokens: tuple[int, int] = (1, 8),
     seed: int = 0,
+    on_wave: Any = None,
     **settings: Any,
 ) -> dict[str, Any]:
     """Many short requests through ``generate_many`` in waves; after each wave, host RSS, GPU memory, free
-    blocks and the engine's per-request structures. Flat figures after the first waves: nothing leaks."""
+    blocks and the engine's per-request structures (also given to ``on_wave``, as they come). Flat figures
+    after the first waves: nothing leaks."""
     rng = random.Random(seed)
     vocab = model.config.vocab_size
     samples, num_tokens, done = [], 0, 0
@@ -193,6 +195,8 @@ def soak(
             sample["gpu_allocated_mib"] = torch.cuda.memory_allocated() / 2**20
             sample["gpu_reserved_mib"] = torch.cuda.memory_reserved() / 2**20
         samples.append(sample)
+        if on_wave is not None:
+            on_wave(sample)
     seconds = time.perf_counter() - start
     return {
         "num_requests": done,

@@ -102,7 +102,8 @@ class ModelRunner:
     def _forward_step(self, out: SchedulerOutput) -> tuple[torch.Tensor, HostStep]:
         bucket = self._graph_bucket(out)
         if bucket is not None:
-            host = self.batch.pack(out.scheduled, self.previous, pad_to=bucket, width=self.graph_width)
+            # the step's own (padded) table width: the graph reads only the [bucket, width] corner it is given
+            host = self.batch.pack(out.scheduled, self.previous, pad_to=bucket)
             self.graphs.load(self._stage(host.packed), bucket, host.width)
             self._fill_pending(self.graphs.input_ids(bucket), host.pending)
             self.num_graph_steps += 1
