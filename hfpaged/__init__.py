@@ -9,7 +9,7 @@ from .core.config import EngineConfig
 from .engine import Engine
 from .generate import generate_many
 from .outputs import GenerationResult, RequestOutput, SequenceOutput
-from .patch import patch, reset_prefix_cache, stats, unpatch
+from .patch import patch, reset_prefix_cache, sleep, stats, unpatch, wake
 from .serve import Server
 from .streaming import StreamEvent, astream_many, stream_many
 
@@ -26,9 +26,11 @@ __all__ = [
     "patch",
     "reset_prefix_cache",
     "serve",
+    "sleep",
     "stats",
     "stream_many",
     "unpatch",
+    "wake",
 ]
 __version__ = "0.1.0"
 # ``hfpaged.serve`` is the server package, and calling it serves a model: hfpaged.serve(model, tokenizer)

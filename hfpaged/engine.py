@@ -23,7 +23,7 @@ from .core.kv_manager import KVManager
 from .core.request import Request
 from .core.scheduler import Scheduler
 from .core.scheduler_output import SchedulerOutput
-from .model.attach import PatchState, get_state
+from .model.attach import PatchState, get_state, reallocate_caches, release_caches
 from .model.runner import ModelRunner
 from .outputs import RequestOutput
 from .prompts import PromptMaker
@@ -148,14 +148,49 @@ class EngineCore:
         if not self.scheduler.has_unfinished():
             self.in_flight = None  # its tokens belong to finished requests only
 
+    def sleep(self) -> None:
+        """Release the KV pool, CUDA graphs, compiled code and sampling tables; nothing may be running."""
+        with self.lock:
+            if self.has_unfinished():
+                raise RuntimeError(
+                    f"cannot sleep while {len(self.scheduler.requests)} requests run on this model; "
+                    "let them finish or abort them first"
+                )
+            if self.state.asleep:
+                return
+            self.kv.reset_prefix_cache()  # the blocks' contents go with the memory
+            self.runner.drop_graphs()
+            self.runner.reset()
+            self.runner.sampler.context = None
+            release_caches(self.state)
+            self.state.asleep = True
+        if torch.cuda.is_available():
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:  # the workspace cuBLAS keeps per stream (the graph-capture stream's too)
+                clear()
+            torch.cuda.empty_cache()
+
+    def sleep_if_idle(self) -> None:
+        """``sleep`` when nothing runs (``EngineConfig.sleep_when_idle``: at the end of every call)."""
+        with self.lock:
+            if not self.has_unfinished():
+                self.sleep()
+
+    def wake(self) -> None:
+        """Allocate the pool again after ``sleep`` (as many blocks as before); a no-op when awake."""
+        with self.lock:
+            if self.state.asleep:
+                reallocate_caches(self.state)
+                self.state.asleep = False
+
     def check_weights(self, model: PreTrainedModel) -> None:
-        """Drop what the old weights computed if the parameters changed since the last call: cached prefix
-        blocks, and (if they moved to new storage) the CUDA graphs and compiled code that baked them in."""
-        changed, moved = self.state.weights.check(model)
+        """Drop what the old weights computed if they changed since the last call: cached prefix blocks, and
+        (parameters in new storage, other PEFT adapters) the CUDA graphs and compiled code that baked them in."""
+        changed, rewired = self.state.weights.check(model)
         if changed:
             with self.lock:
                 self.kv.reset_prefix_cache()
-                if moved:
+                if rewired:
                     self.runner.drop_graphs()
 
 
@@ -179,6 +214,7 @@ class Client:
 
     def submit(self, requests: list[Request]) -> None:
         with self.core.lock:
+            self.core.wake()  # a pool released by hfpaged.sleep comes back with the first request
             for request in requests:
                 self.core.add(request, self)
                 self.prompts[request.request_id] = request

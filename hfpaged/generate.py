@@ -159,6 +159,8 @@ def generate_many(
     finally:
         if bar is not None:
             bar.close()
+        if client.core.state.config.sleep_when_idle:
+            client.core.sleep_if_idle()
     if streamer is not None:
         streamer.end()
     return [build_result(request, tokenizer) for request in requests]

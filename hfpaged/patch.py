@@ -1,4 +1,5 @@
-"""``patch`` / ``unpatch`` / ``stats`` / ``reset_prefix_cache``: hfpaged on and off a model you already have."""
+"""``patch`` / ``unpatch`` / ``sleep`` / ``wake`` / ``stats`` / ``reset_prefix_cache``: hfpaged on and off a model
+you already have (a transformers model, or a PEFT model wrapping one)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from .core.config import EngineConfig
 from .engine import EngineCore, engine_of
 from .generate import generate_many
 from .model.attach import attach, detach, get_state
+from .model.peft_compat import inner_model
 from .streaming import astream_many, stream_many
 
 _METHODS = {"generate_many": generate_many, "stream_many": stream_many, "astream_many": astream_many}
@@ -56,18 +58,19 @@ def patch(
         max_num_batched_tokens=max_num_batched_tokens,
         **options,
     )
-    existing = getattr(model, "_hfpaged", None)
+    target = inner_model(model)  # a PEFT model's inner transformers model (it reaches the rest through it)
+    existing = getattr(target, "_hfpaged", None)
     if existing is not None:
         if existing.config == config:
             if tokenizer is not None:
                 existing.tokenizer = tokenizer
             return model
         tokenizer = tokenizer if tokenizer is not None else existing.tokenizer
-        unpatch(model)
-    state = attach(model, config, tokenizer)
-    state.engine = EngineCore(model, state)  # the model's one engine, before any caller can race to make it
+        unpatch(target)
+    state = attach(target, config, tokenizer)
+    state.engine = EngineCore(target, state)  # the model's one engine, before any caller can race to make it
     for name, function in _METHODS.items():
-        setattr(model, name, _ModelMethod(function, model))
+        setattr(target, name, _ModelMethod(function, target))
     return model
 
 
@@ -76,7 +79,8 @@ def unpatch(model: PreTrainedModel) -> PreTrainedModel:
 
     Requests still running on the model (other threads, suspended streams) are aborted first.
     """
-    state = getattr(model, "_hfpaged", None)
+    target = inner_model(model)
+    state = getattr(target, "_hfpaged", None)
     if state is None:
         return model
     if state.engine is not None:
@@ -84,9 +88,21 @@ def unpatch(model: PreTrainedModel) -> PreTrainedModel:
             for request_id in list(state.engine.scheduler.requests):
                 state.engine.abort(request_id)
     for name in _METHODS:
-        model.__dict__.pop(name, None)
-    detach(model)
+        target.__dict__.pop(name, None)
+    detach(target)
     return model
+
+
+def sleep(model: PreTrainedModel) -> None:
+    """Release the KV pool, CUDA graphs, compiled code and sampling tables (GPU memory back to about what the
+    model alone takes), e.g. for a training step; the next call (or ``wake``) allocates them again. Nothing
+    may be running on the model."""
+    engine_of(model).sleep()
+
+
+def wake(model: PreTrainedModel) -> None:
+    """Allocate the pool released by ``sleep`` again now (otherwise the next call does)."""
+    engine_of(model).wake()
 
 
 def reset_prefix_cache(model: PreTrainedModel) -> None:
@@ -110,6 +126,7 @@ def stats(model: PreTrainedModel) -> dict[str, Any]:
             "num_layers": len(state.layers),
             "num_cpu_blocks": state.num_cpu_blocks,
             "num_free_cpu_blocks": kv.cpu_pool.num_free_blocks if kv.cpu_pool is not None else 0,
+            "asleep": state.asleep,
             "num_running_requests": len(core.scheduler.running),
             "num_waiting_requests": len(core.scheduler.waiting) + len(core.scheduler.swapped),
             **state.counters,

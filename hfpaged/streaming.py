@@ -122,6 +122,8 @@ def _stream(client: Client, requests: list[Request], maker: _EventMaker) -> Iter
             yield from maker.events(client.step())
     finally:
         client.abort_all()
+        if client.core.state.config.sleep_when_idle:
+            client.core.sleep_if_idle()
 
 
 def astream_many(
@@ -155,4 +157,6 @@ async def _astream(client: Client, requests: list[Request], maker: _EventMaker) 
         if running is not None:  # cancelled mid-step: let the step finish before touching the engine
             concurrent.futures.wait([running])
         client.abort_all()
+        if client.core.state.config.sleep_when_idle:
+            client.core.sleep_if_idle()
         worker.shutdown(wait=False)

@@ -27,6 +27,7 @@ class EngineConfig:
     # as the GPU pool holds, at most 4 GiB (allocated at the first swap-out, not at patch time)
     watermark: float = 0.01  # share of blocks kept free when admitting new requests
     cpu_kv_cache_gib: float = 1.0  # KV budget when num_blocks=None on a non-CUDA device
+    sleep_when_idle: bool = False  # release the pool (as hfpaged.sleep) whenever a call ends with nothing running
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:

@@ -32,29 +32,36 @@ from .kv_cache import (
     max_model_len,
     size_pool,
 )
+from .peft_compat import adapter_layers, adapter_state
 from .swap_space import SwapSpace, swap_blocks
 
 logger = logging.getLogger("hfpaged")
 
 
 class WeightsVersion:
-    """A cheap fingerprint of a model's parameters: where each lives and how often it was written in place."""
+    """A cheap fingerprint of what a model computes: where each parameter lives, how often it was written in
+    place, and (PEFT models) which adapters its layers apply."""
 
     def __init__(self, model: torch.nn.Module):
-        self.storage, self.versions = self.read(model)
+        self.adapter_layers = adapter_layers(model)
+        self.storage, self.versions, self.adapters = self.read(model)
 
-    @staticmethod
-    def read(model: torch.nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def read(self, model: torch.nn.Module) -> tuple[tuple[int, ...], tuple[int, ...], tuple]:
         params = list(model.parameters())
-        return tuple(p.data_ptr() for p in params), tuple(p._version for p in params)
+        return (
+            tuple(p.data_ptr() for p in params),
+            tuple(p._version for p in params),
+            adapter_state(self.adapter_layers),
+        )
 
     def check(self, model: torch.nn.Module) -> tuple[bool, bool]:
-        """(changed at all, moved to new storage) since the last check; remembers the new fingerprint."""
-        storage, versions = self.read(model)
-        moved = storage != self.storage
-        changed = moved or versions != self.versions
-        self.storage, self.versions = storage, versions
-        return changed, moved
+        """(changed at all, changed beyond values: new storage or other adapters) since the last check;
+        remembers the new fingerprint."""
+        storage, versions, adapters = self.read(model)
+        rewired = storage != self.storage or adapters != self.adapters
+        changed = rewired or versions != self.versions
+        self.storage, self.versions, self.adapters = storage, versions, adapters
+        return changed, rewired
 
 
 @dataclass
@@ -75,6 +82,7 @@ class PatchState:
     max_model_len: int | None = None
     counters: dict[str, int] = field(default_factory=dict)  # shared with the scheduler (hfpaged.stats)
     engine: Any = None  # the model's one EngineCore (hfpaged.engine), created by patch
+    asleep: bool = False  # the pool is released (hfpaged.sleep); the next call allocates it again
     previous_forward: Callable | None = None  # an instance-level forward that was there before ours
 
     @property
@@ -164,8 +172,7 @@ def attach(model: PreTrainedModel, config: EngineConfig, tokenizer: Any = None) 
         vocab_size=model.get_input_embeddings().weight.shape[0],
         max_model_len=model_len,
     )
-    for layer, caches in zip(layers, kv_caches):
-        layer.module._hfpaged_kv = caches
+    bind_caches(state, kv_caches)
     state.previous_forward = _wrap_forward(model, lock)
     gib = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv_caches) / 2**30
     logger.info(
@@ -180,20 +187,39 @@ def attach(model: PreTrainedModel, config: EngineConfig, tokenizer: Any = None) 
     return state
 
 
+def bind_caches(state: PatchState, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Give each attention layer its K/V (``module._hfpaged_kv``); the state keeps the list."""
+    state.kv_caches = kv_caches
+    for layer, caches in zip(state.layers, kv_caches):
+        layer.module._hfpaged_kv = caches
+
+
+def release_caches(state: PatchState) -> None:
+    """Drop every layer's K/V and the swap space (their memory goes back once nothing else holds them)."""
+    for layer in state.layers:
+        layer.module.__dict__.pop("_hfpaged_kv", None)
+    state.kv_caches = []
+    if state.swap is not None:
+        state.swap.caches = []
+
+
+def reallocate_caches(state: PatchState) -> None:
+    """The K/V of a released pool again, as many blocks as before (their contents are not kept)."""
+    bind_caches(state, allocate_caches(state.layers, state.num_blocks, state.config.block_size))
+
+
 def detach(model: PreTrainedModel) -> None:
     """Undo ``attach``: layer bindings, the forward wrapper, the pool (its memory is released)."""
     state = getattr(model, "_hfpaged", None)
     if state is None:
         return
     with state.forward_lock:
-        for layer in state.layers:
-            layer.module.__dict__.pop("_hfpaged_kv", None)
+        release_caches(state)
         if getattr(model.__dict__.get("forward"), "_hfpaged_forward", False):
             del model.forward
             if state.previous_forward is not None:
                 model.forward = state.previous_forward
         del model._hfpaged
-    state.kv_caches = []
     state.engine = None
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -120,6 +120,25 @@ def paged_forward(configs: list, forward_lock: threading.RLock) -> Iterator[None
                 _saved_implementations.pop(id(cfg), None)
 
 
+@contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Generation runs in eval semantics (no dropout) even under ``model.train()``; the modes are restored.
+
+    Called inside the forward lock, so no stock forward (a training step) runs while the modes are switched.
+    """
+    if not model.training:
+        yield
+        return
+    modes = [(module, module.training) for module in model.modules()]
+    for module, _ in modes:
+        module.training = False
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
 def _original_implementation(config: Any) -> str | None:
     if id(config) not in _saved_implementations:
         raise RuntimeError(

@@ -11,6 +11,7 @@ host once its copy has landed.
 from __future__ import annotations
 
 import inspect
+import logging
 import weakref
 from typing import TYPE_CHECKING
 
@@ -20,12 +21,14 @@ import torch
 from ..core.block_pool import cdiv
 from ..core.scheduler_output import SchedulerOutput
 from ..sampling.sampler import Sampler, StepResult
-from .attention import PagedStep, paged_forward
+from .attention import PagedStep, eval_mode, paged_forward
 from .cuda_graphs import DecodeGraphs
 from .input_batch import DeviceStep, HostStep, InputBatch, device_views, padded_width, region_slices
 
 if TYPE_CHECKING:
     from .attach import PatchState
+
+logger = logging.getLogger("hfpaged")
 
 
 class ModelRunner:
@@ -153,7 +156,7 @@ class ModelRunner:
         keep = step.logits_indices if logits_indices is None else logits_indices
         kwargs = {"logits_to_keep": keep} if self.supports_logits_to_keep else {}
         model = self.model
-        with paged_forward(self.state.attn_configs, self.state.forward_lock):
+        with paged_forward(self.state.attn_configs, self.state.forward_lock), eval_mode(model):
             output = model(
                 input_ids=step.input_ids, position_ids=step.position_ids, use_cache=False, hfpaged=context, **kwargs
             )
@@ -204,7 +207,7 @@ class ModelRunner:
 
             self._compiled = compile_decode_forward(self.graph_width * self.block_size)
         meta = step.metadata  # reaches the attention as forward kwargs: no step context needed
-        with paged_forward(self.state.attn_configs, self.state.forward_lock):
+        with paged_forward(self.state.attn_configs, self.state.forward_lock), eval_mode(self.model):
             return self._compiled(
                 self.model,
                 step.input_ids,
@@ -221,7 +224,12 @@ class ModelRunner:
             graphs = DecodeGraphs(
                 self.device, self.config.max_num_seqs, self.graph_width, self.graph_width * self.block_size
             )
-            graphs.capture(self._graph_forward)
+            try:
+                graphs.capture(self._graph_forward)
+            except RuntimeError as error:  # e.g. a layer that synchronizes (some quantized matmuls)
+                logger.warning("hfpaged: CUDA graph capture failed (%s); decode steps run eagerly", error)
+                self.use_graphs = False
+                return
             self.graphs = graphs
 
     def _graph_bucket(self, out: SchedulerOutput) -> int | None:
@@ -232,7 +240,7 @@ class ModelRunner:
         if self.batch.max_blocks(out.scheduled) > self.graph_width:
             return None
         self.capture_graphs()
-        return self.graphs.bucket_for(len(out.scheduled))
+        return self.graphs.bucket_for(len(out.scheduled)) if self.graphs is not None else None
 
     # --- block copies -----------------------------------------------------------------------------
 

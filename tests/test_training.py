@@ -1,0 +1,158 @@
+"""hfpaged in a training loop: PEFT/LoRA models (adapters switched, disabled, merged), weights trained
+between calls, training itself unaffected by the patch, and the pool handed back between rollouts."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+from models import make_model, random_prompts, reference_generate
+
+import hfpaged
+
+peft = pytest.importorskip("peft")  # a dev dependency; the import makes PEFT models known to hfpaged
+
+NEW = 10
+
+
+def lora(model, name="default", seed=0, rank=4):
+    """A LoRA adapter with random (non-zero) B matrices, so the adapted model differs from the base."""
+    config = peft.LoraConfig(r=rank, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
+    if isinstance(model, peft.PeftModel):
+        model.add_adapter(name, config)
+    else:
+        model = peft.get_peft_model(model, config, adapter_name=name)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for module_name, param in model.named_parameters():
+            if "lora_B" in module_name and f".{name}." in module_name:
+                param.normal_(0, 0.5)
+    return model
+
+
+def greedy(model, prompts):
+    return [r.token_ids for r in model.generate_many(prompts, max_new_tokens=NEW, do_sample=False)]
+
+
+def stock(model, prompts):
+    return reference_generate(model, prompts, max_new_tokens=NEW, do_sample=False)
+
+
+@pytest.fixture
+def peft_model():
+    model = lora(make_model("llama", seed=3))
+    hfpaged.patch(model, num_blocks=48, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    return model
+
+
+def test_a_lora_model_generates_what_its_stock_generate_does(peft_model):
+    prompts = random_prompts([5, 17, 9, 30], seed=1)
+    expected = stock(peft_model, prompts)
+    with peft_model.disable_adapter():
+        base = stock(peft_model, prompts)
+    assert expected != base  # the adapter matters, so parity proves something
+    assert greedy(peft_model, prompts) == expected
+    assert hfpaged.stats(peft_model)["num_free_blocks"] == hfpaged.stats(peft_model)["num_blocks"]
+
+
+def test_disabling_switching_and_merging_adapters_between_calls_takes_effect(peft_model):
+    prompts = random_prompts([13, 13, 21], seed=2)  # shared lengths: the prefix cache holds their blocks
+    first = stock(peft_model, prompts)
+    assert greedy(peft_model, prompts) == first
+    with peft_model.disable_adapter():
+        assert greedy(peft_model, prompts) == stock(peft_model, prompts) != first
+    assert greedy(peft_model, prompts) == first
+    lora(peft_model, "other", seed=9)
+    peft_model.set_adapter("other")
+    other = stock(peft_model, prompts)
+    assert other != first and greedy(peft_model, prompts) == other
+    peft_model.set_adapter("default")
+    peft_model.merge_adapter()
+    assert greedy(peft_model, prompts) == stock(peft_model, prompts)
+    peft_model.unmerge_adapter()
+    assert greedy(peft_model, prompts) == first
+
+
+def test_training_steps_on_the_adapter_are_used_by_the_next_call(peft_model):
+    prompts = random_prompts([6, 12, 20], seed=3)
+    before = greedy(peft_model, prompts)
+    peft_model.train()
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=0.05)
+    for _ in range(3):
+        ids = torch.tensor([prompts[2]])
+        peft_model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    after = greedy(peft_model, prompts)  # still in train mode: generation runs in eval semantics
+    assert peft_model.training  # and the mode is restored
+    peft_model.eval()
+    assert after == stock(peft_model, prompts) != before
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_training_forward_and_backward_are_unchanged_by_the_patch(checkpointing):
+    def loss_and_grads(model):
+        torch.manual_seed(0)  # the same dropout masks for both runs
+        ids = torch.tensor(random_prompts([24, 24], seed=4))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+        return loss.detach(), grads
+
+    model = make_model("llama", seed=5, attention_dropout=0.2)
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    loss, grads = loss_and_grads(model)
+    hfpaged.patch(model, num_blocks=32, block_size=4)
+    model.generate_many(random_prompts([5], seed=6), max_new_tokens=3)  # a paged step in between
+    patched_loss, patched_grads = loss_and_grads(model)
+    assert torch.equal(loss, patched_loss)
+    assert grads.keys() == patched_grads.keys() and all(torch.equal(grads[n], patched_grads[n]) for n in grads)
+
+
+def test_generation_under_train_mode_has_no_dropout_and_keeps_the_mode():
+    model = make_model("llama", seed=7, attention_dropout=0.5)
+    prompts = random_prompts([8, 19], seed=8)
+    expected = stock(model, prompts)  # eval mode
+    hfpaged.patch(model, num_blocks=32, block_size=4)
+    model.train()
+    assert greedy(model, prompts) == expected
+    assert model.training and all(m.training for m in model.modules())
+
+
+def test_sleep_releases_the_pool_and_the_next_call_brings_it_back():
+    model = make_model("llama", seed=9)
+    prompts = random_prompts([7, 15], seed=10)
+    expected = stock(model, prompts)
+    hfpaged.patch(model, num_blocks=32, block_size=4)
+    assert greedy(model, prompts) == expected
+    cache = weakref.ref(model._hfpaged.kv_caches[0][0])
+    hfpaged.sleep(model)
+    gc.collect()
+    assert cache() is None and hfpaged.stats(model)["asleep"]
+    assert not any("_hfpaged_kv" in m.__dict__ for m in model.modules())
+    assert greedy(model, prompts) == expected  # woken by the call
+    assert not hfpaged.stats(model)["asleep"]
+    hfpaged.sleep(model)
+    hfpaged.wake(model)
+    assert len(model._hfpaged.kv_caches) == 2 and greedy(model, prompts) == expected
+    engine = hfpaged.Engine(model)
+    engine.add_request(prompts[0], max_new_tokens=5)
+    with pytest.raises(RuntimeError, match="cannot sleep while 1 requests run"):
+        hfpaged.sleep(model)
+    engine.abort_all()
+
+
+def test_sleep_when_idle_frees_the_pool_after_every_call():
+    model = make_model("llama", seed=11)
+    prompts = random_prompts([9, 4], seed=12)
+    expected = stock(model, prompts)
+    hfpaged.patch(model, num_blocks=32, block_size=4, sleep_when_idle=True)
+    for _ in range(2):
+        assert greedy(model, prompts) == expected
+        assert hfpaged.stats(model)["asleep"] and model._hfpaged.kv_caches == []
+    events = list(model.stream_many(prompts, max_new_tokens=NEW, do_sample=False))
+    assert [t for e in events if e.index == 0 for t in e.token_ids] == expected[0]
+    assert hfpaged.stats(model)["asleep"]
