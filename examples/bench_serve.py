@@ -11,9 +11,19 @@ chunks) at p50/p99, and finally the same requests run offline through ``generate
     python examples/bench_serve.py --random-shape qwen3-0.6b --rates 4 8 16 32 64 inf   # GPU, random weights
     python examples/bench_serve.py --model PATH --rates 2 8 inf                         # a local model directory
     python examples/bench_serve.py --random-shape tiny --device cpu --rates 2 --num-requests 8 --max-tokens 16
+    # host overhead on the CPU: a 2-layer model with a large vocabulary, HTTP in its own process or not
+    python examples/bench_serve.py --random-shape tiny --vocab-size 32000 --device cpu --servers hfpaged-single \
+        hfpaged --rates inf --num-requests 128 --max-tokens 64 --input-len 16 64
+
+Servers: ``hfpaged`` (``hfpaged serve``: the engine beside the model, HTTP in a front-end process),
+``hfpaged-single`` (``hfpaged serve --single-process``: HTTP in a thread beside the engine, one GIL), and
+``transformers``. ``--client-processes N`` spreads the requests over N client processes (round robin, one
+shared schedule), so that on a fast GPU the client's own parsing does not cap what is measured; each rate
+reports the client's CPU seconds per wall second (``client_cpu_per_s``, ~1.0 per process = saturated).
 
 Models: ``--model PATH`` (a transformers directory with a tokenizer that has a chat template), or
-``--random-shape NAME`` (random weights in a real shape, from ``benchmark.py``'s MODELS, or ``tiny``), saved
+``--random-shape NAME`` (random weights in a real shape, from ``benchmark.py``'s MODELS, or ``tiny``, the
+shape of ``tests/models.py``'s Llama; ``--vocab-size`` overrides the shape's vocabulary), saved
 once under ``~/.cache/hfpaged/bench_serve/`` with a word-level tokenizer over the model's whole vocabulary
 ("w123" is token 123, so prompt lengths are exact) and no eos, so every request makes exactly
 ``--max-tokens`` tokens. With a real model, eos ends requests as usual; counts come from ``usage``.
@@ -147,16 +157,18 @@ def word_level_tokenizer(vocab_size: int):
     return tokenizer
 
 
-def save_random_model(name: str, dtype_name: str) -> str:
+def save_random_model(name: str, dtype_name: str, vocab_size: int | None = None) -> str:
     """Random weights in the shape ``name`` + a word-level tokenizer, saved once; no eos (fixed lengths)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    path = os.path.join(CACHE, f"{name}-{dtype_name}")
+    path = os.path.join(CACHE, f"{name}-{dtype_name}" + (f"-vocab{vocab_size}" if vocab_size else ""))
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     log(f"saving random weights in the {name} shape to {path} ...")
     spec = random_shape_spec(name)
+    if vocab_size:
+        spec["vocab_size"] = vocab_size
     spec.pop("eos_token_id", None)
     config = AutoConfig.for_model(spec.pop("model_type"), eos_token_id=None, **spec)
     torch.manual_seed(0)
@@ -197,7 +209,7 @@ def free_port() -> int:
 
 def server_command(kind: str, path: str, port: int, args: argparse.Namespace) -> tuple[list[str], str]:
     """(command line, the name clients must pass as ``model``)."""
-    if kind == "hfpaged":
+    if kind in ("hfpaged", "hfpaged-single"):
         command = [
             sys.executable,
             "-m",
@@ -222,6 +234,7 @@ def server_command(kind: str, path: str, port: int, args: argparse.Namespace) ->
             str(args.gpu_memory_utilization),
             "--log-level",
             "warning",
+            *(["--single-process"] if kind == "hfpaged-single" else []),
             *args.hfpaged_args.split(),
         ]
         return command, SERVED_NAME
@@ -250,11 +263,15 @@ def server_command(kind: str, path: str, port: int, args: argparse.Namespace) ->
     return command, path  # transformers serve only answers for model == the path it was started with
 
 
-def start_server(command: list[str], url: str, log_path: str, timeout: float, device: str) -> subprocess.Popen:
+def start_server(
+    command: list[str], url: str, log_path: str, timeout: float, device: str, torch_threads: int | None = None
+) -> subprocess.Popen:
     import httpx
 
     log("  $ " + " ".join(command))
     env = dict(os.environ)
+    if torch_threads:
+        env["OMP_NUM_THREADS"] = str(torch_threads)
     if device == "cpu":
         # Both servers run torch in a thread beside the one that loaded the model; OpenMP's default spin-waiting
         # of the loading thread's team then slows CPU steps ~3x (measured). GPU runs are unaffected.
@@ -343,27 +360,58 @@ async def one_request(client, url: str, body: dict, start: float) -> RequestReco
     return record
 
 
-async def run_stream(url: str, bodies: list[dict], rate: float, seed: int) -> tuple[list[RequestRecord], float]:
-    """Send ``bodies`` as a Poisson process of ``rate`` requests/s (inf: all at once); (records, wall seconds)."""
-    import httpx
-
+def arrival_offsets(num_requests: int, rate: float, seed: int) -> list[float]:
+    """Send times (s from the start) of a Poisson process of ``rate`` requests/s; all 0 for inf."""
     rng = random.Random(seed)
     offsets, t = [], 0.0
-    for _ in bodies:
+    for _ in range(num_requests):
         offsets.append(t)
         if math.isfinite(rate):
             t += rng.expovariate(rate)
+    return offsets
+
+
+async def run_part(url: str, bodies: list[dict], offsets: list[float], start_at: float) -> list[RequestRecord]:
+    """Send ``bodies`` at ``start_at`` (``time.time()``) + their offsets; one record each."""
+    import httpx
+
     limits = httpx.Limits(max_connections=len(bodies) + 8, max_keepalive_connections=len(bodies) + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
-        start = time.perf_counter()
+        start = time.perf_counter() + (start_at - time.time())
 
         async def delayed(body, offset):
             await asyncio.sleep(max(0.0, offset - (time.perf_counter() - start)))
             return await one_request(client, url, body, start)
 
-        records = await asyncio.gather(*(delayed(b, o) for b, o in zip(bodies, offsets)))
-        wall = time.perf_counter() - start
-    return list(records), wall
+        return list(await asyncio.gather(*(delayed(b, o) for b, o in zip(bodies, offsets))))
+
+
+def run_part_here(url: str, bodies: list[dict], offsets: list[float], start_at: float) -> tuple[list, float, float]:
+    """``run_part`` in this process: (records, time.time() at the end, CPU seconds this process spent)."""
+    cpu = time.process_time()
+    records = asyncio.run(run_part(url, bodies, offsets, start_at))
+    return records, time.time(), time.process_time() - cpu
+
+
+def run_stream(
+    url: str, bodies: list[dict], rate: float, seed: int, pool=None, num_parts: int = 1
+) -> tuple[list[RequestRecord], float, float]:
+    """Send ``bodies`` as a Poisson process of ``rate`` requests/s (inf: all at once), from this process or
+    spread round robin over ``pool``'s ``num_parts`` processes; (records, wall seconds, client CPU seconds)."""
+    offsets = arrival_offsets(len(bodies), rate, seed)
+    if pool is None or num_parts == 1:
+        start_at = time.time()
+        records, end, cpu = run_part_here(url, bodies, offsets, start_at)
+        return records, end - start_at, cpu
+    start_at = time.time() + 1.0  # every process is ready to send by then
+    futures = [
+        pool.submit(run_part_here, url, bodies[k::num_parts], offsets[k::num_parts], start_at) for k in range(num_parts)
+    ]
+    parts = [future.result() for future in futures]
+    records: list[RequestRecord] = [None] * len(bodies)
+    for k, (part, _, _) in enumerate(parts):
+        records[k::num_parts] = part
+    return records, max(end for _, end, _ in parts) - start_at, sum(cpu for _, _, cpu in parts)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -375,7 +423,7 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def summarize(records: list[RequestRecord], wall: float) -> dict:
+def summarize(records: list[RequestRecord], wall: float, client_cpu: float) -> dict:
     ok = [r for r in records if r.ok]
     tokens = sum(r.output_tokens for r in ok)
     ttfts = [r.ttft * 1e3 for r in ok]
@@ -395,6 +443,7 @@ def summarize(records: list[RequestRecord], wall: float) -> dict:
         "itl_ms_p99": percentile(gaps, 99),
         "tpot_ms_p50": percentile(tpots, 50),
         "latency_s_p50": percentile([r.latency for r in ok], 50),
+        "client_cpu_per_s": client_cpu / wall if wall > 0 else 0.0,
     }
 
 
@@ -406,7 +455,12 @@ def bench_server(kind: str, path: str, conversations: list, args: argparse.Names
     result = {"command": command, "rates": {}}
     try:
         process = start_server(
-            command, url, os.path.join(args.out, f"{kind}_server.log"), args.startup_timeout, args.device
+            command,
+            url,
+            os.path.join(args.out, f"{kind}_server.log"),
+            args.startup_timeout,
+            args.device,
+            args.torch_threads,
         )
     except (RuntimeError, TimeoutError) as exc:
         log(f"  {kind} did not start: {exc}")
@@ -426,26 +480,36 @@ def bench_server(kind: str, path: str, conversations: list, args: argparse.Names
             for c in convs
         ]
 
+    pool = None
+    if args.client_processes > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        pool = ProcessPoolExecutor(args.client_processes, mp_context=multiprocessing.get_context("spawn"))
+    parts = args.client_processes
     try:
-        warm = asyncio.run(run_stream(url, bodies(conversations[: args.warmup_requests]), math.inf, args.seed))[0]
+        warm = run_stream(url, bodies(conversations[: args.warmup_requests]), math.inf, args.seed, pool, parts)[0]
         log(
             f"  warm-up: {sum(r.ok for r in warm)}/{len(warm)} ok"
             + (f" ({warm[0].error})" if warm and not warm[0].ok else "")
         )
         for rate in args.rates:
-            records, wall = asyncio.run(run_stream(url, bodies(conversations), rate, args.seed))
-            summary = summarize(records, wall)
+            records, wall, client_cpu = run_stream(url, bodies(conversations), rate, args.seed, pool, parts)
+            summary = summarize(records, wall, client_cpu)
             result["rates"][str(rate)] = summary
             log(
                 f"  rate {rate:>6}: {summary['num_ok']}/{len(records)} ok, {summary['output_tokens_per_s']:9.1f} tok/s, "
                 f"TTFT p50/p99 {_ms(summary['ttft_ms_p50'])}/{_ms(summary['ttft_ms_p99'])} ms, "
-                f"ITL p50/p99 {_ms(summary['itl_ms_p50'])}/{_ms(summary['itl_ms_p99'])} ms"
+                f"ITL p50/p99 {_ms(summary['itl_ms_p50'])}/{_ms(summary['itl_ms_p99'])} ms, "
+                f"client CPU {summary['client_cpu_per_s']:.2f}/s"
                 + (f"  errors: {summary['errors']}" if summary["errors"] else "")
             )
-        if kind == "hfpaged":
+        if kind.startswith("hfpaged"):
             result["server_metrics"] = server_metrics(url)
     finally:
         stop_server(process)
+        if pool is not None:
+            pool.shutdown()
     return result
 
 
@@ -567,7 +631,11 @@ def main(argv: list[str] | None = None) -> None:
     source.add_argument("--model", help="local transformers model directory (tokenizer with a chat template)")
     source.add_argument("--random-shape", help="random weights in a real shape: tiny, qwen3-0.6b, llama-3.2-1b, ...")
     parser.add_argument(
-        "--servers", nargs="+", default=["hfpaged", "transformers"], choices=["hfpaged", "transformers"]
+        "--servers",
+        nargs="+",
+        default=["hfpaged", "transformers"],
+        choices=["hfpaged", "hfpaged-single", "transformers"],
+        help="hfpaged: HTTP in a front-end process; hfpaged-single: HTTP beside the engine (--single-process)",
     )
     parser.add_argument(
         "--rates",
@@ -586,6 +654,16 @@ def main(argv: list[str] | None = None) -> None:
         help="user-turn length range in tokens (words)",
     )
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
+    parser.add_argument("--vocab-size", type=int, help="with --random-shape: this vocabulary size instead")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        help="torch CPU threads in the servers (OMP_NUM_THREADS) and the offline run; one is steadiest on a "
+        "small shared CPU, where a busy core stalls every parallel op",
+    )
+    parser.add_argument(
+        "--client-processes", type=int, default=1, help="client processes sending the requests (round robin)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on the CPU")
@@ -602,12 +680,14 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.dtype == "auto":
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     os.makedirs(args.out, exist_ok=True)
-    path = args.model or save_random_model(args.random_shape, args.dtype)
+    path = args.model or save_random_model(args.random_shape, args.dtype, args.vocab_size)
     conversations = make_conversations(
         args.num_requests, tuple(args.input_len), args.seed, word_level=args.model is None
     )
@@ -624,6 +704,9 @@ def main(argv: list[str] | None = None) -> None:
         "max_tokens": args.max_tokens,
         "rates": [str(r) for r in args.rates],
         "max_num_seqs": args.max_num_seqs,
+        "vocab_size": args.vocab_size,
+        "client_processes": args.client_processes,
+        "torch_threads": args.torch_threads,
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "servers": {},
@@ -637,11 +720,14 @@ def main(argv: list[str] | None = None) -> None:
             f"  {report['offline']['output_tokens']} tokens in {report['offline']['wall_s']:.2f} s: "
             f"{report['offline']['output_tokens_per_s']:.1f} tok/s"
         )
-        hf_rates = report["servers"].get("hfpaged", {}).get("rates", {})
-        if hf_rates:
-            peak = max(row["output_tokens_per_s"] for row in hf_rates.values())
-            report["hfpaged_peak_vs_offline"] = peak / report["offline"]["output_tokens_per_s"]
-            log(f"  hfpaged serve peak {peak:.1f} tok/s = {report['hfpaged_peak_vs_offline']:.0%} of offline")
+        for kind in ("hfpaged", "hfpaged-single"):
+            hf_rates = report["servers"].get(kind, {}).get("rates", {})
+            if hf_rates:
+                peak = max(row["output_tokens_per_s"] for row in hf_rates.values())
+                ratio = report[f"{kind.replace('-', '_')}_peak_vs_offline"] = (
+                    peak / report["offline"]["output_tokens_per_s"]
+                )
+                log(f"  {kind} serve peak {peak:.1f} tok/s = {ratio:.0%} of offline")
     with open(os.path.join(args.out, "bench_serve.json"), "w") as f:
         json.dump(report, f, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
     plot(report, os.path.join(args.out, "bench_serve.png"))

@@ -1,11 +1,17 @@
 """hfpaged serve: a real uvicorn server on 127.0.0.1 over a tiny random Llama, driven with the official
 ``openai`` client (sync and async) and raw ``httpx``: both endpoints streamed and not, n, stop, seeds,
 logprobs, greedy output equal to ``generate_many``, 64 concurrent streams, disconnects, a full queue,
-every kind of bad input (each followed by a request that succeeds), and a graceful shutdown."""
+every kind of bad input (each followed by a request that succeeds), and a graceful shutdown. Each runs with
+HTTP in a front-end process of its own (the default) and with HTTP beside the engine in one process; then
+the engine side's messages alone, ``generate_many`` sharing the engine with the server, a front-end process
+that dies, and ``create_app`` under Starlette's test client."""
 
 import asyncio
 import json
+import os
+import pickle
 import re
+import signal
 import threading
 import time
 
@@ -45,9 +51,15 @@ def model(tokenizer):
     return m
 
 
-@pytest.fixture(scope="module")
-def server(model, tokenizer):
-    srv = Server(model, tokenizer, port=0, served_model_name=MODEL_NAME, max_waiting=256).start()
+MODES = [True, False]  # frontend_process: HTTP in a process of its own, or in a thread beside the engine
+MODE_IDS = ["frontend-process", "single-process"]
+
+
+@pytest.fixture(scope="module", params=MODES, ids=MODE_IDS)
+def server(request, model, tokenizer):
+    srv = Server(
+        model, tokenizer, port=0, served_model_name=MODEL_NAME, max_waiting=256, frontend_process=request.param
+    ).start()
     yield srv
     srv.stop()
     stats = hfpaged.stats(model)
@@ -60,12 +72,18 @@ def client(server):
 
 
 def wait_until_idle(server, timeout=20.0):
-    """Until the engine thread holds no request and its last snapshot shows every block free."""
+    """Until the front end routes no request (its running + waiting gauges: it may be another process), the
+    engine thread holds none and its last snapshot shows every block free."""
     loop = server.serving.engine_loop
     deadline = time.monotonic() + timeout
-    while loop.routes or loop.unfinished or loop.stats["num_free_blocks"] != loop.stats["num_blocks"]:
-        assert time.monotonic() < deadline, (loop.routes, loop.unfinished, loop.stats)
+    while front_end_in_flight(server) or loop.unfinished or loop.stats["num_free_blocks"] != loop.stats["num_blocks"]:
+        assert time.monotonic() < deadline, (front_end_in_flight(server), loop.unfinished, loop.stats)
         time.sleep(0.01)
+
+
+def front_end_in_flight(server):
+    """Requests the front end still routes: running + waiting (every route is one of the two)."""
+    return metric(server, "hfpaged_num_requests_running") + metric(server, "hfpaged_num_requests_waiting")
 
 
 def metric(server, name, labels=""):
@@ -350,8 +368,11 @@ def one_seq_model(tokenizer):
     return m
 
 
-def test_queue_full_gives_429(one_seq_model, tokenizer):
-    with Server(one_seq_model, tokenizer, port=0, served_model_name=MODEL_NAME, max_waiting=1) as srv:
+@pytest.mark.parametrize("frontend_process", MODES, ids=MODE_IDS)
+def test_queue_full_gives_429(one_seq_model, tokenizer, frontend_process):
+    with Server(
+        one_seq_model, tokenizer, port=0, served_model_name=MODEL_NAME, max_waiting=1, frontend_process=frontend_process
+    ) as srv:
         client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         loop = srv.serving.engine_loop
         body = {
@@ -363,7 +384,9 @@ def test_queue_full_gives_429(one_seq_model, tokenizer):
             "stream": True,
         }
         with httpx.Client(timeout=60) as http, http.stream("POST", srv.url + "/v1/completions", json=body) as running:
-            assert next(x for x in running.iter_lines() if x.startswith("data: "))  # it runs: the one slot is taken
+            # keep the line iterator: once collected, httpcore closes the connection (a disconnect: an abort)
+            lines = running.iter_lines()
+            assert next(x for x in lines if x.startswith("data: "))  # it runs: the one slot is taken
             waiting = {}
             thread = threading.Thread(
                 target=lambda: waiting.setdefault(
@@ -506,7 +529,8 @@ def test_openai_client_raises_typed_errors(client):
 # --- shutdown, the CLI --------------------------------------------------------------------------------
 
 
-def test_graceful_shutdown_finishes_or_aborts_in_flight_requests(one_seq_model, tokenizer):
+@pytest.mark.parametrize("frontend_process", MODES, ids=MODE_IDS)
+def test_graceful_shutdown_finishes_or_aborts_in_flight_requests(one_seq_model, tokenizer, frontend_process):
     def stream_in_thread(srv, max_tokens, out):
         body = {
             "model": MODEL_NAME,
@@ -536,14 +560,28 @@ def test_graceful_shutdown_finishes_or_aborts_in_flight_requests(one_seq_model, 
 
     # time to finish: the in-flight request completes normally
     finished = []
-    srv = Server(one_seq_model, tokenizer, port=0, served_model_name=MODEL_NAME, shutdown_timeout=30).start()
+    srv = Server(
+        one_seq_model,
+        tokenizer,
+        port=0,
+        served_model_name=MODEL_NAME,
+        shutdown_timeout=30,
+        frontend_process=frontend_process,
+    ).start()
     thread = stream_in_thread(srv, 24, finished)
     srv.stop()
     thread.join(30)
     assert finished[-1] == "data: [DONE]" and '"finish_reason":"length"' in finished[-2]
     # no time: the request is aborted, the thread ends, the pool is all free
     aborted = []
-    srv = Server(one_seq_model, tokenizer, port=0, served_model_name=MODEL_NAME, shutdown_timeout=0.1).start()
+    srv = Server(
+        one_seq_model,
+        tokenizer,
+        port=0,
+        served_model_name=MODEL_NAME,
+        shutdown_timeout=0.1,
+        frontend_process=frontend_process,
+    ).start()
     thread = stream_in_thread(srv, 400, aborted)
     srv.stop()
     thread.join(30)
@@ -624,3 +662,131 @@ def test_hfpaged_serve_is_callable_for_a_model_in_memory(monkeypatch):
     hfpaged.serve("model", "tokenizer", port=8123)
     assert calls == [(("model", "tokenizer"), {"port": 8123})]
     assert hfpaged.serve.Server is hfpaged.Server
+
+
+# --- the engine side and the two processes ------------------------------------------------------------
+
+
+def test_engine_loop_ships_compact_picklable_messages(model, tokenizer):
+    """The engine side alone: token ids in plain columns, one message per step, aborts free blocks, and a stop
+    drains it; no text anywhere (detokenizing is the front end's)."""
+    from hfpaged.serve.engine_loop import EngineLoop
+    from hfpaged.serve.messages import (
+        AbortRequests,
+        Added,
+        AddRequests,
+        EngineStats,
+        EngineStopped,
+        StepOutputs,
+        StopEngine,
+        Submission,
+    )
+
+    messages = []
+    loop = EngineLoop(model, tokenizer)
+    loop.start(lambda message: messages.append(pickle.loads(pickle.dumps(message))))  # as over the socket
+    prompt = tokenizer("the stop sign")["input_ids"]
+    greedy = dict(do_sample=False, logit_bias={2: -100.0})
+    loop.put(
+        AddRequests(
+            0,
+            [
+                Submission("a", prompt, {**greedy, "max_new_tokens": 5, "return_logprobs": True, "top_logprobs": 2}),
+                Submission("b", prompt, {**greedy, "max_new_tokens": 400}),
+            ],
+        )
+    )
+    loop.put(AddRequests(1, [Submission("c", prompt, {"max_new_tokens": 0})]))  # refused by the engine: a 400
+    deadline = time.monotonic() + 30
+    while not any(isinstance(m, StepOutputs) and "a" in [m.prompt_ids[k] for k in m.finished] for m in messages):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    loop.put(AbortRequests(["b"]))
+    while loop.unfinished:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    loop.put(StopEngine())
+    loop.thread.join(30)
+    assert not loop.thread.is_alive()
+    added = [m for m in messages if isinstance(m, Added)]
+    assert added[0] == Added(0, None) and added[1].tag == 1 and added[1].error[0] == "invalid"
+    steps = [m for m in messages if isinstance(m, StepOutputs)]
+    deltas = [d for m in steps for d in m.deltas()]
+    a = [d for d in deltas if d.prompt_id == "a"]
+    assert sum(len(d.new_token_ids) for d in a) == 5 and a[-1].finish_reason == "length"
+    assert all(len(d.new_logprobs) == len(d.new_token_ids) and len(d.new_top_logprobs[0]) == 2 for d in a)
+    assert all(type(t) is int for d in deltas for t in d.new_token_ids)
+    assert all(d.finish_reason is None for d in deltas if d.prompt_id == "b")  # aborted, not finished
+    assert 5 < sum(len(d.new_token_ids) for d in deltas if d.prompt_id == "b") < 400
+    assert {prompt_id for m in steps for prompt_id in m.prompt_ids} == {"a", "b"}
+    assert isinstance(messages[-1], EngineStopped) and any(isinstance(m, EngineStats) for m in messages)
+    stats = hfpaged.stats(model)
+    assert stats["num_free_blocks"] == stats["num_blocks"] == messages[-1].stats["num_free_blocks"]
+
+
+def test_generate_many_shares_the_engine_with_a_running_server(server, client, model, tokenizer):
+    """Another thread's ``generate_many`` runs while the server streams: both get exactly their own results."""
+    settings = dict(max_new_tokens=10, do_sample=False, logit_bias={2: -100.0})
+    prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
+    wait_until_idle(server)
+    expected = model.generate_many(prompts, **settings)
+    streamed, times = {}, {}
+
+    def stream(i):
+        text = ""
+        for chunk in client.completions.create(
+            model=MODEL_NAME, prompt=TEXTS[i], max_tokens=60, temperature=0, logit_bias=NO_EOS, stream=True
+        ):
+            text += chunk.choices[0].text
+            times.setdefault(i, time.monotonic())
+        streamed[i] = (text, time.monotonic())
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(TEXTS))]
+    for thread in threads:
+        thread.start()
+    while len(times) < len(TEXTS):  # every stream has its first token
+        time.sleep(0.005)
+    started = time.monotonic()
+    results = model.generate_many(prompts, **settings)
+    for thread in threads:
+        thread.join(60)
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    assert any(end > started for _, end in streamed.values())  # they did run at the same time
+    served = client.completions.create(model=MODEL_NAME, prompt=TEXTS, max_tokens=60, temperature=0, logit_bias=NO_EOS)
+    assert [streamed[i][0] for i in range(len(TEXTS))] == [c.text for c in served.choices]
+    assert len({text for text, _ in streamed.values()}) > 1
+
+
+def test_a_front_end_process_that_dies_frees_what_it_left(one_seq_model, tokenizer):
+    srv = Server(one_seq_model, tokenizer, port=0, served_model_name=MODEL_NAME).start()
+    assert srv.frontend.pid != os.getpid() and srv.frontend.process.poll() is None
+    body = {"model": MODEL_NAME, "prompt": "the stop sign", "max_tokens": 400, "temperature": 0, "stream": True}
+    body["logit_bias"] = NO_EOS
+    with pytest.raises(httpx.HTTPError), httpx.stream("POST", srv.url + "/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                os.kill(srv.frontend.pid, signal.SIGKILL)
+    srv.thread.join(30)  # the engine loop saw the channel close: it aborted the stream and ended
+    assert not srv.thread.is_alive() and srv.serving.engine_loop.num_steps < 400
+    stats = hfpaged.stats(one_seq_model)
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    srv.stop()
+    with pytest.raises(httpx.ConnectError):  # nobody listens any more
+        httpx.get(srv.url + "/health", timeout=5)
+
+
+def test_create_app_serves_in_one_process(model, tokenizer):
+    from starlette.testclient import TestClient
+
+    from hfpaged.serve import create_app
+
+    with TestClient(create_app(model, tokenizer, served_model_name=MODEL_NAME)) as http:
+        out = http.post(
+            "/v1/completions",
+            json={"prompt": TEXTS[0], "max_tokens": 6, "temperature": 0, "logit_bias": NO_EOS},
+        ).json()
+        assert http.get("/health").json() == {"status": "ok"}
+    expected = model.generate_many(
+        [TEXTS[0]], tokenizer=tokenizer, max_new_tokens=6, do_sample=False, logit_bias={2: -100.0}
+    )
+    assert out["choices"][0]["text"] == expected[0].text and out["usage"]["completion_tokens"] == 6

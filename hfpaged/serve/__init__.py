@@ -3,9 +3,12 @@
     hfpaged serve MODEL_PATH --port 8000            # the console script (hfpaged.serve.cli)
     hfpaged.serve(model, tokenizer)                  # a model already in memory; blocks until Ctrl-C
                                                      # (the package is callable: hfpaged.serve.serve)
-    with hfpaged.serve.Server(model, tokenizer, port=0) as server:   # in a background thread
+    with hfpaged.serve.Server(model, tokenizer, port=0) as server:   # in the background
         ...  # OpenAI(base_url=server.url + "/v1", api_key="unused")
-    app = hfpaged.serve.create_app(model, tokenizer) # the ASGI app, for any ASGI server
+    app = hfpaged.serve.create_app(model, tokenizer) # the single-process ASGI app, for any ASGI server
+
+``Server`` keeps the engine in this process, beside the model, and runs HTTP in a child process (``server``
+says why); ``create_app`` and ``Server(..., frontend_process=False)`` keep both in one process.
 
 Needs the ``serve`` extra (``pip install hfpaged[serve]``: fastapi, uvicorn, prometheus_client); importing
 this package does not, only building a server does.
@@ -34,7 +37,7 @@ sys.modules[__name__].__class__ = _CallablePackage
 
 def __getattr__(name: str) -> Any:
     if name == "create_app":  # imported on use: it needs fastapi
-        from .app import create_app
+        from .inprocess import create_app
 
         return create_app
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -69,9 +69,7 @@ async def create_chat_completion(ctx: ServingContext, http_request: Request) -> 
     kwargs = generate_kwargs(request, ctx.limits, num_logprobs=num_logprobs)
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     budget = completion_budget(max_tokens, len(prompt), ctx.limits, default=None, prompt_param="messages")
-    generation = Generation(
-        ctx.engine_loop, ctx.tokenizer, request, [prompt], [budget], kwargs, incremental=request.stream
-    )
+    generation = Generation(ctx.engine, ctx.tokenizer, request, [prompt], [budget], kwargs, incremental=request.stream)
     await generation.start(arrival)
     header = {"id": f"chatcmpl-{generation.request_id}", "created": generation.created, "model": ctx.model_name}
     if request.stream:

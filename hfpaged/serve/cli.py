@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_SHUTDOWN_TIMEOUT,
         help="seconds in-flight requests get to finish on Ctrl-C/SIGTERM before they are aborted",
     )
+    serve.add_argument(
+        "--single-process",
+        action="store_true",
+        help="run HTTP in a thread beside the engine instead of in a front-end process of its own",
+    )
     serve.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation before serving")
     serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return parser
@@ -129,6 +134,7 @@ def serve_command(args: argparse.Namespace) -> None:
         max_waiting=args.max_waiting,
         shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level,
+        frontend_process=not args.single_process,
     )
     print(f"hfpaged: serving `{server.serving.model_name}` at {server.url}/v1 (Ctrl-C stops)", flush=True)
     try:

@@ -55,9 +55,7 @@ async def create_completion(ctx: ServingContext, http_request: Request) -> Respo
         completion_budget(request.max_tokens, len(p), ctx.limits, default=DEFAULT_MAX_TOKENS, prompt_param="prompt")
         for p in prompts
     ]
-    generation = Generation(
-        ctx.engine_loop, ctx.tokenizer, request, prompts, budgets, kwargs, incremental=request.stream
-    )
+    generation = Generation(ctx.engine, ctx.tokenizer, request, prompts, budgets, kwargs, incremental=request.stream)
     await generation.start(arrival)
     echoes = [""] * len(prompts)
     if request.echo:

@@ -1,11 +1,11 @@
-"""What every endpoint needs: the engine loop, the tokenizer, the served model's name and its limits."""
+"""What every endpoint needs: the engine client, the tokenizer, the served model's name and its limits."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from .engine_loop import EngineLoop
+from .engine_client import EngineClient
 from .errors import model_not_found
 from .logprobs import TokenStrings
 from .request_params import ModelLimits
@@ -13,9 +13,9 @@ from .request_params import ModelLimits
 
 @dataclass
 class ServingContext:
-    """Shared, read-only state of one server (the engine loop aside)."""
+    """Shared, read-only state of one server's front end (the engine client aside)."""
 
-    engine_loop: EngineLoop
+    engine: EngineClient
     tokenizer: Any
     model_name: str
     limits: ModelLimits

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..outputs import RequestOutput
-from .engine_loop import EngineFailure, EngineLoop, Submission
+from .engine_client import EngineClient
+from .messages import EngineFailure, Submission, TokenDelta
 from .protocol import SamplingRequest
 from .request_params import seed_for, stop_strings
 from .text_output import IncrementalText
@@ -55,11 +55,11 @@ class ChoiceDelta:
 
 
 class Generation:
-    """Submits a request's prompts to the engine loop and turns their outputs into per-choice deltas."""
+    """Submits a request's prompts to the engine and turns their token deltas into per-choice deltas."""
 
     def __init__(
         self,
-        engine_loop: EngineLoop,
+        engine: EngineClient,
         tokenizer: Any,
         request: SamplingRequest,
         prompts: list[list[int]],
@@ -68,7 +68,7 @@ class Generation:
         *,
         incremental: bool,
     ):
-        self.engine_loop = engine_loop
+        self.engine = engine
         self.prompts = prompts
         self.incremental = incremental  # decode as tokens arrive (streaming); else once at the end
         self.request_id = uuid.uuid4().hex
@@ -118,11 +118,11 @@ class Generation:
 
     async def start(self, arrival_time: float) -> None:
         """Hand every prompt to the engine (raises the 400/429/503 ``APIError`` if it is refused)."""
-        self.sink = await self.engine_loop.add(self.submissions, arrival_time)
+        self.sink = await self.engine.add(self.submissions, arrival_time)
 
     def close(self) -> None:
         """Abort whatever still runs and wake a reader still waiting for outputs (it gets ``RequestClosed``)."""
-        self.engine_loop.abort([s.request_id for s in self.submissions if self.engine_loop.is_active(s.request_id)])
+        self.engine.abort([s.request_id for s in self.submissions if self.engine.is_active(s.request_id)])
         if self.sink is not None and self.num_unfinished:
             self.sink.put_nowait(RequestClosed())
 
@@ -157,7 +157,7 @@ class Generation:
         async for _ in self.deltas():
             pass
 
-    def _advance(self, choice: Choice, output: RequestOutput) -> str:
+    def _advance(self, choice: Choice, output: TokenDelta) -> str:
         """Take one output into its choice; the text it releases."""
         choice.token_ids.extend(output.new_token_ids)
         if output.new_logprobs is not None:

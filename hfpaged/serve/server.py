@@ -1,27 +1,48 @@
-"""Run the app under uvicorn: in the foreground (``serve``) or in a background thread (``Server.start``)."""
+"""``Server``: the engine beside the model in this process, the HTTP front end in a process of its own.
+
+As vLLM splits its API server from its engine core: this process (which holds the model, so a model already
+in memory can be served) runs only the engine thread (``EngineLoop``), and a child process (``frontend``)
+runs uvicorn and everything per token that is not engine work. The two exchange small pickled messages,
+one per engine step. ``frontend_process=False`` keeps both in this process (``create_app``'s single-process
+app under uvicorn), sharing one GIL.
+"""
 
 from __future__ import annotations
 
+import pickle
+import signal
 import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds in-flight requests get to finish when the server stops
-# While serving, the engine thread and the event loop share the GIL; a thread that wants it back waits up to
-# the switch interval (Python's default: 5 ms, as long as a decode step) while the other one streams.
+DEFAULT_START_TIMEOUT = 120.0  # seconds the front-end process may take to start (its imports, mostly)
+# Single-process mode: the engine thread and the event loop share the GIL; a thread that wants it back waits
+# up to the switch interval (Python's default: 5 ms, as long as a decode step) while the other one streams.
 DEFAULT_SWITCH_INTERVAL = 0.001
+
+
+@dataclass
+class ServedModel:
+    """What this process knows of what it serves: the engine loop, the tokenizer, the name, the limits."""
+
+    engine_loop: Any  # EngineLoop
+    tokenizer: Any
+    model_name: str
+    limits: Any  # ModelLimits
 
 
 class Server:
     """An hfpaged OpenAI-compatible server bound to ``host:port`` (port 0: any free port).
 
-    ``run()`` serves in the foreground until Ctrl-C / SIGTERM; ``start()`` serves from a background thread
-    and returns once it answers, ``stop()`` ends it. On stop, in-flight requests get ``shutdown_timeout``
-    seconds to finish, the rest are aborted, and the KV pool is all free again. ``max_waiting``: requests
-    accepted but not started (no token yet) at most, one more gets a 429. ``switch_interval``: the GIL
-    switch interval while serving (see ``DEFAULT_SWITCH_INTERVAL``).
+    ``run()`` serves in the foreground until Ctrl-C / SIGTERM; ``start()`` serves in the background and returns
+    once it answers, ``stop()`` ends it. On stop, in-flight requests get ``shutdown_timeout`` seconds to finish,
+    the rest are aborted, and the KV pool is all free again. ``max_waiting``: requests accepted but not started
+    (no token yet) at most, one more gets a 429. ``frontend_process``: HTTP in a child process (default) or in a
+    thread of this one; ``switch_interval``: the GIL switch interval while serving single-process.
     """
 
     def __init__(
@@ -36,31 +57,45 @@ class Server:
         shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
         log_level: str = "warning",
         switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
+        frontend_process: bool = True,
     ):
-        import uvicorn
+        from .engine_loop import EngineLoop, model_limits, served_model_name_of
 
-        from .app import DEFAULT_MAX_WAITING, create_app
-
-        self.app = create_app(
-            model,
-            tokenizer,
-            served_model_name=served_model_name,
-            max_waiting=DEFAULT_MAX_WAITING if max_waiting is None else max_waiting,
+        if tokenizer is None:
+            raise ValueError("hfpaged serve needs the model's tokenizer (pass tokenizer=)")
+        self.max_waiting = 1024 if max_waiting is None else max_waiting
+        if self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        engine_loop = EngineLoop(model, tokenizer)  # patches the model with defaults if it is not yet
+        self.serving = ServedModel(
+            engine_loop, tokenizer, served_model_name_of(model, served_model_name), model_limits(model)
         )
         self.host = host
         self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.socket.bind((host, port))
+        self.socket.listen(2048)  # connections queue up from now on, before the front end accepts them
         self.port = self.socket.getsockname()[1]
-        config = uvicorn.Config(
-            self.app,
-            log_level=log_level,
-            timeout_graceful_shutdown=shutdown_timeout,
-            lifespan="on",
-        )
-        self.uvicorn = uvicorn.Server(config)
-        self.switch_interval = switch_interval  # sys.setswitchinterval while serving (None: leave it)
-        self.thread: threading.Thread | None = None
+        self.shutdown_timeout = shutdown_timeout
+        self.log_level = log_level
+        self.switch_interval = switch_interval  # sys.setswitchinterval while serving single-process (None: leave it)
+        self.thread: threading.Thread | None = None  # the thread serving in this process (engine, or uvicorn)
+        self.frontend = None
+        self.uvicorn = None
+        if frontend_process:
+            from .frontend_process import FrontendProcess
+
+            self.frontend = FrontendProcess(on_command=engine_loop.put)
+        else:
+            import uvicorn
+
+            from .inprocess import app_over
+
+            self.app = app_over(engine_loop, self.serving.model_name, self.max_waiting)
+            config = uvicorn.Config(
+                self.app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout, lifespan="on"
+            )
+            self.uvicorn = uvicorn.Server(config)
 
     @property
     def url(self) -> str:
@@ -68,37 +103,76 @@ class Server:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
-    @property
-    def serving(self) -> Any:
-        """The app's ``ServingContext`` (engine loop, tokenizer, limits)."""
-        return self.app.state.serving
-
     def run(self) -> None:
-        """Serve in this thread until interrupted (uvicorn handles SIGINT/SIGTERM in the main thread)."""
-        previous = sys.getswitchinterval()
-        if self.switch_interval is not None:
-            sys.setswitchinterval(self.switch_interval)
+        """Serve in this thread until interrupted (SIGINT/SIGTERM) or until the front end ends."""
+        if self.frontend is None:
+            self._run_uvicorn()
+            return
+        self.start(DEFAULT_START_TIMEOUT)
+        stop = threading.Event()
+        captured: list[int] = []
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+
+            def on_signal(signum: int, frame: Any) -> None:
+                captured.append(signum)
+                stop.set()
+
+            handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self.uvicorn.run(sockets=[self.socket])
+            while not stop.wait(0.2) and self.frontend.process.poll() is None:
+                pass
         finally:
-            sys.setswitchinterval(previous)
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+            self.stop()
+        for signum in reversed(captured):  # as uvicorn does: Ctrl-C ends in KeyboardInterrupt
+            signal.raise_signal(signum)
+        code = self.frontend.process.returncode
+        if not captured and code not in (0, -signal.SIGINT, -signal.SIGTERM):
+            raise RuntimeError(f"the hfpaged front-end process ended with code {code}")
 
     def start(self, timeout: float = 60.0) -> Server:
-        """Serve from a background thread; returns when the server accepts requests."""
-        self.thread = threading.Thread(target=self.run, name=f"hfpaged-serve-{self.port}", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + timeout
-        while not self.uvicorn.started:
-            if not self.thread.is_alive():
-                raise RuntimeError("the hfpaged server failed to start (see the log above)")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the hfpaged server did not start within {timeout} s")
-            time.sleep(0.01)
+        """Serve in the background; returns when the server accepts requests."""
+        if self.frontend is None:
+            self.thread = threading.Thread(target=self._run_uvicorn, name=f"hfpaged-serve-{self.port}", daemon=True)
+            self.thread.start()
+            self._wait(lambda: self.uvicorn.started, self.thread.is_alive, timeout)
+            return self
+        from .messages import FrontendConfig
+
+        engine_loop = self.serving.engine_loop
+        config = FrontendConfig(
+            tokenizer=pickle.dumps(self.serving.tokenizer),
+            sys_path=list(sys.path),
+            model_name=self.serving.model_name,
+            limits=self.serving.limits,
+            stats=engine_loop.stats,
+            max_waiting=self.max_waiting,
+            shutdown_timeout=self.shutdown_timeout,
+            log_level=self.log_level,
+            http_fd=-1,
+        )
+        self.frontend.spawn(config, self.socket)
+        engine_loop.start(self.frontend.send)
+        self.thread = engine_loop.thread
+        try:
+            self.frontend.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        self.socket.close()  # the front end has its own copy: once it is gone, connections are refused, not queued
         return self
 
     def stop(self, timeout: float = 60.0) -> None:
-        """Stop a server started with ``start()``: finish or abort in-flight requests, free the pool."""
-        self.uvicorn.should_exit = True
+        """Stop the server: finish or abort in-flight requests, free the pool."""
+        if self.frontend is None:
+            self.uvicorn.should_exit = True
+        else:
+            from .messages import StopEngine
+
+            self.frontend.shutdown(timeout)  # the front end stops the engine as it ends
+            self.serving.engine_loop.put(StopEngine())  # in case it could not
         if self.thread is not None:
             self.thread.join(timeout)
             if self.thread.is_alive():
@@ -111,6 +185,25 @@ class Server:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
+    def _run_uvicorn(self) -> None:
+        previous = sys.getswitchinterval()
+        if self.switch_interval is not None:
+            sys.setswitchinterval(self.switch_interval)
+        try:
+            self.uvicorn.run(sockets=[self.socket])
+        finally:
+            sys.setswitchinterval(previous)
+
+    @staticmethod
+    def _wait(done: Any, alive: Any, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            if not alive():
+                raise RuntimeError("the hfpaged server failed to start (see the log above)")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the hfpaged server did not start within {timeout} s")
+            time.sleep(0.01)
+
 
 def serve(
     model: Any,
@@ -122,6 +215,7 @@ def serve(
     max_waiting: int | None = None,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
     log_level: str = "info",
+    frontend_process: bool = True,
 ) -> None:
     """Serve ``model`` (already in memory; patched with defaults unless already patched) until interrupted."""
     server = Server(
@@ -133,6 +227,7 @@ def serve(
         max_waiting=max_waiting,
         shutdown_timeout=shutdown_timeout,
         log_level=log_level,
+        frontend_process=frontend_process,
     )
     print(f"hfpaged: serving {server.serving.model_name} on {server.url}/v1 (Ctrl-C stops)", flush=True)
     server.run()

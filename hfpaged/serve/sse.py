@@ -10,9 +10,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from .engine_loop import EngineFailure
 from .errors import APIError
 from .generation import Generation, RequestClosed
+from .messages import EngineFailure
 
 SSE_DONE = "data: [DONE]\n\n"
 _encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # one encoder: the hot path
