@@ -9,6 +9,9 @@ import os
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}  # largest finite value of each format
 
 
 def interpreting() -> bool:
@@ -43,6 +46,26 @@ def check_devices(**tensors: torch.Tensor) -> torch.device:
             "(hfpaged.kernels.paged_attention_reference / store_kv_reference) or set TRITON_INTERPRET=1"
         )
     return device
+
+
+def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: object, v_scale: object) -> bool:
+    """Whether the caches hold fp8 (then ``k_scale``/``v_scale`` must be one-element float32 tensors on their
+    device); raise TypeError/ValueError for mismatched cache dtypes or missing/bad scales."""
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"k_cache dtype {k_cache.dtype} differs from v_cache dtype {v_cache.dtype}; they must match")
+    if k_cache.dtype not in FP8_DTYPES:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale/v_scale apply to fp8 caches only; the caches are {k_cache.dtype}")
+        return False
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or scale.numel() != 1:
+            raise TypeError(
+                f"{name} must be a one-element float32 tensor for an fp8 ({k_cache.dtype}) cache, got "
+                + (f"{scale.dtype} of shape {tuple(scale.shape)}" if isinstance(scale, torch.Tensor) else repr(scale))
+            )
+        if scale.device != k_cache.device:
+            raise ValueError(f"{name} is on {scale.device} but the caches are on {k_cache.device}")
+    return True
 
 
 def check_dim(name: str, tensor: torch.Tensor, dim: int, expected: int, why: str) -> None:

@@ -113,6 +113,10 @@ def _attend_tile(
         else:
             v = tl.load(v_ptrs)
 
+    # fp8 caches: dequantize on load (fp8 -> q's dtype is exact; the per-layer scales are folded into
+    # qk_scale and the final normalisation, so no full-precision copy of the cache exists anywhere)
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     s = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N] fp32
     if USE_SOFTCAP:
         s = softcap * _tanh(s * qk_scale)  # already scaled, log2 domain
@@ -191,6 +195,8 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
     cu_seqlens_q_ptr,  # [B + 1] int32
+    k_scale_ptr,  # [1] fp32, read when KV_FP8: key = cache value * k_scale
+    v_scale_ptr,  # [1] fp32, read when KV_FP8
     num_seqs,
     num_splits,
     qk_scale,
@@ -225,6 +231,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -281,6 +288,8 @@ def _paged_attention_kernel(
     full_tile_begin = tl.maximum(tl.minimum(tl.cdiv(full_begin, TILE_N), tile_end), tile_begin)
     full_tile_end = tl.maximum(tl.minimum((q_first + 1) // TILE_N, tile_end), full_tile_begin)
 
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)  # q . (k8 * k_scale) = (q . k8) * k_scale
     k_head_ptr = k_cache_ptr + kv_head * stride_k_h
     v_head_ptr = v_cache_ptr + kv_head * stride_v_h
     block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_b
@@ -310,6 +319,8 @@ def _paged_attention_kernel(
         USE_SOFTCAP, USE_WINDOW, True, DOT_PRECISION,
     )  # fmt: skip
 
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)  # sum p * (v8 * v_scale): the partial sums l_i are unaffected
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     if SPLIT:
         row = (token * NUM_HEADS + head) * num_splits + split  # [BLOCK_M] int64

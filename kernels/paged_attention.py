@@ -19,7 +19,17 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import FLOAT_DTYPES, check_devices, check_dim, check_tensor, launches_on_first_tensor_gpu, next_power_of_2
+from ._checks import (
+    CACHE_DTYPES,
+    FLOAT_DTYPES,
+    FP8_DTYPES,
+    check_devices,
+    check_dim,
+    check_kv_scales,
+    check_tensor,
+    launches_on_first_tensor_gpu,
+    next_power_of_2,
+)
 from .attention_config import AttentionConfig, choose_config
 from .attention_kernel import _paged_attention_kernel
 from .split_merge import _merge_splits_kernel
@@ -27,19 +37,19 @@ from .split_merge import _merge_splits_kernel
 LOG2E = 1.4426950408889634
 
 
-def _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q) -> None:
+def _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale) -> None:
     check_tensor("q", q, 3, FLOAT_DTYPES)
-    check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES)
-    check_tensor("v_cache", v_cache, 4, FLOAT_DTYPES)
+    check_tensor("k_cache", k_cache, 4, CACHE_DTYPES)
+    check_tensor("v_cache", v_cache, 4, CACHE_DTYPES)
+    fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     check_tensor("block_tables", block_tables, 2, (torch.int32,))
     check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
     check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,))
     check_devices(
         q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q
     )
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.dtype != q.dtype:
-            raise TypeError(f"{name} dtype {cache.dtype} differs from q dtype {q.dtype}; they must match")
+    if not fp8 and k_cache.dtype != q.dtype:
+        raise TypeError(f"k_cache dtype {k_cache.dtype} differs from q dtype {q.dtype}; they must match (or be fp8)")
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     check_dim("k_cache", k_cache, 3, head_dim, "q.shape[2], head_dim")
@@ -81,6 +91,8 @@ def paged_attention_with_config(
     sliding_window: int | None = None,
     softcap: float | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_attention with an explicit tile config (tests, tuning); arguments are not re-checked.
 
@@ -102,6 +114,7 @@ def paged_attention_with_config(
     use_softcap = softcap is not None and softcap > 0
     use_window = sliding_window is not None and sliding_window > 0
     split = config.num_splits > 1
+    fp8 = k_cache.dtype in FP8_DTYPES
     if split:
         rows = num_tokens * num_heads * config.num_splits
         split_acc = torch.empty(rows * head_dim_v_pad, dtype=torch.float32, device=q.device)
@@ -120,6 +133,8 @@ def paged_attention_with_config(
         block_tables,
         seq_lens,
         cu_seqlens_q,
+        k_scale if fp8 else seq_lens,  # unused without fp8
+        v_scale if fp8 else seq_lens,
         num_seqs,
         config.num_splits,
         float(scale) / float(softcap) if use_softcap else float(scale) * LOG2E,
@@ -146,6 +161,7 @@ def paged_attention_with_config(
         SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SEARCH_BLOCK=search_block(num_seqs),
+        KV_FP8=fp8,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -181,9 +197,15 @@ def paged_attention(
     softcap: float | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal paged attention over a packed batch (GQA, sliding window, softcap) -> ``[T, num_heads, head_dim_v]``."""
-    _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
+    """Causal paged attention over a packed batch (GQA, sliding window, softcap) -> ``[T, num_heads, head_dim_v]``.
+
+    fp8 caches (float8_e4m3fn / float8_e5m2) need ``k_scale``/``v_scale`` (one-element float32 tensors):
+    K/V tiles are dequantized as they are loaded.
+    """
+    _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale)
     if not scale > 0:
         raise ValueError(f"scale must be a positive float, got {scale!r}")
     num_tokens, num_heads, head_dim = q.shape
@@ -223,4 +245,6 @@ def paged_attention(
         config=config,
         sliding_window=sliding_window,
         softcap=softcap,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )

@@ -6,7 +6,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import FLOAT_DTYPES, check_devices, check_dim, check_tensor, launches_on_first_tensor_gpu, next_power_of_2
+from ._checks import (
+    CACHE_DTYPES,
+    FLOAT_DTYPES,
+    FP8_MAX,
+    check_devices,
+    check_dim,
+    check_kv_scales,
+    check_tensor,
+    launches_on_first_tensor_gpu,
+    next_power_of_2,
+)
 
 
 @triton.jit
@@ -16,6 +26,8 @@ def _store_kv_kernel(
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM]
     v_cache_ptr,  # [num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM_V]
     slot_mapping_ptr,  # [T] int32/int64, -1 = skip
+    k_scale_ptr,  # [1] fp32 (read when FP8): cache value = key / k_scale, clamped to +-FP8_MAX
+    v_scale_ptr,  # [1] fp32 (read when FP8)
     stride_key_t,
     stride_key_h,
     stride_key_d,
@@ -37,6 +49,8 @@ def _store_kv_kernel(
     HEAD_DIM_V: tl.constexpr,
     HEAD_DIM_V_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     # One program per token: all heads of its K row and V row, as one [heads, head_dim] tile each.
     token = tl.program_id(0).to(tl.int64)
@@ -61,6 +75,8 @@ def _store_kv_kernel(
         + offs_h[:, None] * stride_k_cache_h
         + offs_d[None, :] * stride_k_cache_d
     )
+    if FP8:  # quantize on write: divide by the layer's scale, saturate to the format's finite range
+        k = tl.minimum(tl.maximum(k.to(tl.float32) / tl.load(k_scale_ptr), -FP8_MAX), FP8_MAX)
     tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
 
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
@@ -76,6 +92,8 @@ def _store_kv_kernel(
         + offs_h[:, None] * stride_v_cache_h
         + offs_dv[None, :] * stride_v_cache_d
     )
+    if FP8:
+        v = tl.minimum(tl.maximum(v.to(tl.float32) / tl.load(v_scale_ptr), -FP8_MAX), FP8_MAX)
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask_v)
 
 
@@ -87,13 +105,20 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     num_warps: int | None = None,
 ) -> None:
-    """Write key/value ``[T, num_kv_heads, head_dim]`` into the paged caches at ``slot_mapping`` (-1 = skip)."""
+    """Write key/value ``[T, num_kv_heads, head_dim]`` into the paged caches at ``slot_mapping`` (-1 = skip).
+
+    fp8 caches (float8_e4m3fn / float8_e5m2) need ``k_scale``/``v_scale`` (one-element float32 tensors): each
+    value is stored as ``x / scale`` saturated to the format's finite range.
+    """
     check_tensor("key", key, 3, FLOAT_DTYPES)
     check_tensor("value", value, 3, FLOAT_DTYPES)
-    check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES)
-    check_tensor("v_cache", v_cache, 4, FLOAT_DTYPES)
+    check_tensor("k_cache", k_cache, 4, CACHE_DTYPES)
+    check_tensor("v_cache", v_cache, 4, CACHE_DTYPES)
+    fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
     check_devices(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -120,6 +145,8 @@ def store_kv(
         k_cache,
         v_cache,
         slot_mapping,
+        k_scale if fp8 else slot_mapping,  # unused without fp8
+        v_scale if fp8 else slot_mapping,
         *key.stride(),
         *value.stride(),
         *k_cache.stride(),
@@ -131,5 +158,7 @@ def store_kv(
         HEAD_DIM_V=head_dim_v,
         HEAD_DIM_V_PAD=next_power_of_2(head_dim_v),
         BLOCK_SIZE=block_size,
+        FP8=fp8,
+        FP8_MAX=FP8_MAX.get(k_cache.dtype, 0.0),
         num_warps=num_warps,
     )
