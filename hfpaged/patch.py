@@ -113,7 +113,8 @@ def reset_prefix_cache(model: PreTrainedModel) -> None:
 
 
 def stats(model: PreTrainedModel) -> dict[str, Any]:
-    """Pool and scheduler figures: ``num_blocks``, ``num_free_blocks``, ``gpu_cache_usage``, counters, queues."""
+    """Pool and scheduler figures: ``num_blocks``, ``num_free_blocks``, ``gpu_cache_usage``, the KV dtype and bytes
+    per token (``kv_cache_dtype``, ``kv_cache_bytes_per_token``, fp8 ``kv_cache_scale_source``), counters, queues."""
     state = get_state(model)
     core = engine_of(model)
     with core.lock:
@@ -124,6 +125,9 @@ def stats(model: PreTrainedModel) -> dict[str, Any]:
             "block_size": state.config.block_size,
             "gpu_cache_usage": 1.0 - kv.num_free_blocks / kv.num_blocks,
             "num_layers": len(state.layers),
+            "kv_cache_dtype": str(state.kv_cache_dtype or state.layers[0].dtype).removeprefix("torch."),
+            "kv_cache_bytes_per_token": sum(state.block_bytes().values()) // state.config.block_size,
+            "kv_cache_scale_source": state.kv_scale_source,
             "num_cpu_blocks": state.num_cpu_blocks,
             "num_free_cpu_blocks": kv.cpu_pool.num_free_blocks if kv.cpu_pool is not None else 0,
             "asleep": state.asleep,

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from .engine import Engine
-from .model.kv_cache import block_bytes
 from .patch import patch, stats, unpatch
 
 
@@ -120,7 +119,7 @@ def parallel_sampling_kv(
         "prompt_tokens": sum(map(len, prompts)),
         "new_tokens": new_tokens,
         "block_size": state.config.block_size,
-        "block_bytes": sum(block_bytes(state.layers, state.config.block_size).values()),
+        "block_bytes": sum(state.block_bytes().values()),
         "parallel": run([(p, {"num_return_sequences": n}) for p in prompts]),
         "independent": run([(p, {}) for p in prompts for _ in range(n)]),
     }

@@ -27,14 +27,17 @@ def warm_up(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     column_multiple: int = 16,
+    dtype: torch.dtype | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Run every variant once on one layer's caches (writing nothing: every slot is -1).
 
     ``column_multiple``: the caller pads block-table rows to a multiple of this (the row stride is a
-    specialized kernel argument).
+    specialized kernel argument). fp8 caches need the query ``dtype`` and the layer's ``kv_scales``.
     """
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    device, dtype = k_cache.device, k_cache.dtype
+    device, dtype = k_cache.device, dtype or k_cache.dtype  # dtype: the queries' (fp8 caches: the model's)
+    scales = {} if kv_scales is None else {"k_scale": kv_scales[0], "v_scale": kv_scales[1]}
     capacity = k_cache.shape[0] * block_size
     budget = max(max_num_batched_tokens, 64)
     seq_counts = sorted({min(n, max_num_seqs) for n in SEARCH_BLOCK_SEQ_COUNTS})
@@ -67,6 +70,7 @@ def warm_up(
             softcap=softcap,
             max_seqlen_q=max_q,
             max_seqlen_k=context,
+            **scales,
         )
         slots = torch.full((num_tokens,), -1, dtype=torch.int32, device=device)
         kv = torch.zeros(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
@@ -76,4 +80,5 @@ def warm_up(
             k_cache,
             v_cache,
             slots,
+            **scales,
         )

@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 PREEMPTION_MODES = ("recompute", "swap")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass
@@ -28,6 +29,9 @@ class EngineConfig:
     watermark: float = 0.01  # share of blocks kept free when admitting new requests
     cpu_kv_cache_gib: float = 1.0  # KV budget when num_blocks=None on a non-CUDA device
     sleep_when_idle: bool = False  # release the pool (as hfpaged.sleep) whenever a call ends with nothing running
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" (= "fp8_e4m3"), "fp8_e5m2": half the bytes
+    kv_cache_scales: float | list[tuple[float, float]] | None = None  # fp8 only: one scale for every K and V, or
+    # one (k_scale, v_scale) per attention layer; None: the checkpoint's k_scale/v_scale, else calibrated
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -50,8 +54,28 @@ class EngineConfig:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_scales is not None:
+            self._check_kv_cache_scales()
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+
+    def _check_kv_cache_scales(self) -> None:
+        if self.kv_cache_dtype == "auto":
+            raise ValueError("kv_cache_scales apply to an fp8 KV cache; set kv_cache_dtype='fp8' (or 'fp8_e5m2')")
+        scales = self.kv_cache_scales
+        flat = [scales] if isinstance(scales, (int, float)) and not isinstance(scales, bool) else None
+        pairs = isinstance(scales, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in scales)
+        if pairs:
+            flat = [value for pair in scales for value in pair]
+        if not flat or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf") for v in flat
+        ):
+            raise ValueError(
+                "kv_cache_scales must be a positive float or a list of (k_scale, v_scale) pairs of positive "
+                f"floats, one per attention layer; got {scales!r}"
+            )
 
     @classmethod
     def field_names(cls) -> set[str]:

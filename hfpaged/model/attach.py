@@ -32,6 +32,7 @@ from .kv_cache import (
     max_model_len,
     size_pool,
 )
+from .kv_quant import cache_dtype, check_fp8_device, initial_scales
 from .peft_compat import adapter_layers, adapter_state
 from .swap_space import SwapSpace, swap_blocks
 
@@ -84,6 +85,14 @@ class PatchState:
     engine: Any = None  # the model's one EngineCore (hfpaged.engine), created by patch
     asleep: bool = False  # the pool is released (hfpaged.sleep); the next call allocates it again
     previous_forward: Callable | None = None  # an instance-level forward that was there before ours
+    kv_cache_dtype: torch.dtype | None = None  # fp8 cache dtype; None: each layer's own dtype
+    kv_scales: list[torch.Tensor] = field(default_factory=list)  # fp8: per layer [2] float32 (k_scale, v_scale)
+    kv_scale_source: str | None = None  # fp8: "user", "checkpoint" or "calibration"
+    calibration_pending: bool = False  # the next eager forward that stores K/V sets the scales first
+
+    def block_bytes(self) -> dict[torch.device, int]:
+        """Bytes one block takes on each device."""
+        return block_bytes(self.layers, self.config.block_size, self.kv_cache_dtype)
 
     @property
     def uses_cuda(self) -> bool:
@@ -150,12 +159,16 @@ def attach(model: PreTrainedModel, config: EngineConfig, tokenizer: Any = None) 
     lock = threading.RLock()
     layers = discover_layers(model, attn_configs, input_device, lock)
     model_len = max_model_len(model)
+    kv_dtype = cache_dtype(config.kv_cache_dtype)
+    if kv_dtype is not None:
+        for device in {layer.device for layer in layers}:
+            check_fp8_device(device, kv_dtype, config.kv_cache_dtype)
     num_blocks = size_pool(model, config, layers, attn_configs, input_device, model_len, lock)
-    kv_caches = allocate_caches(layers, num_blocks, config.block_size)
+    kv_caches = allocate_caches(layers, num_blocks, config.block_size, kv_dtype)
     swap = None
     if config.preemption_mode == "swap":
         num_cpu_blocks = swap_blocks(
-            config.swap_space, num_blocks, sum(block_bytes(layers, config.block_size).values())
+            config.swap_space, num_blocks, sum(block_bytes(layers, config.block_size, kv_dtype).values())
         )
         swap = SwapSpace(num_cpu_blocks) if num_cpu_blocks > 0 else None
     state = PatchState(
@@ -171,16 +184,23 @@ def attach(model: PreTrainedModel, config: EngineConfig, tokenizer: Any = None) 
         tokenizer=tokenizer,
         vocab_size=model.get_input_embeddings().weight.shape[0],
         max_model_len=model_len,
+        kv_cache_dtype=kv_dtype,
     )
+    if kv_dtype is not None:
+        state.kv_scales, state.kv_scale_source = initial_scales(layers, config)
+        state.calibration_pending = state.kv_scale_source == "calibration"
+        for layer, scales in zip(layers, state.kv_scales):
+            layer.module._hfpaged_kv_scale = (scales, scales[0:1], scales[1:2])  # whole, k_scale, v_scale views
     bind_caches(state, kv_caches)
     state.previous_forward = _wrap_forward(model, lock)
     gib = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv_caches) / 2**30
     logger.info(
-        "hfpaged: KV pool of %d blocks x %d tokens (%.2f GiB, %d tokens) over %d layers",
+        "hfpaged: KV pool of %d blocks x %d tokens (%.2f GiB, %d tokens, %s) over %d layers",
         num_blocks,
         config.block_size,
         gib,
         num_blocks * config.block_size,
+        str(kv_caches[0][0].dtype).removeprefix("torch."),
         len(layers),
     )
     model._hfpaged = state
@@ -205,7 +225,7 @@ def release_caches(state: PatchState) -> None:
 
 def reallocate_caches(state: PatchState) -> None:
     """The K/V of a released pool again, as many blocks as before (their contents are not kept)."""
-    bind_caches(state, allocate_caches(state.layers, state.num_blocks, state.config.block_size))
+    bind_caches(state, allocate_caches(state.layers, state.num_blocks, state.config.block_size, state.kv_cache_dtype))
 
 
 def detach(model: PreTrainedModel) -> None:
@@ -215,6 +235,8 @@ def detach(model: PreTrainedModel) -> None:
         return
     with state.forward_lock:
         release_caches(state)
+        for layer in state.layers:
+            layer.module.__dict__.pop("_hfpaged_kv_scale", None)
         if getattr(model.__dict__.get("forward"), "_hfpaged_forward", False):
             del model.forward
             if state.previous_forward is not None:

@@ -27,6 +27,7 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from . import hf_compat
+from .kv_quant import calibrate
 
 ATTENTION_NAME = "hfpaged"
 
@@ -94,6 +95,7 @@ class PagedStep:
     metadata: AttentionMetadata
     store_fn: Callable[..., None]
     attention_fn: Callable[..., torch.Tensor]
+    calibrate: bool = False  # fp8 caches: set each layer's K/V scales from this forward's keys/values first
 
 
 # --- switching a model's attention for one forward ---------------------------------------------------
@@ -196,8 +198,14 @@ def _paged(context: PagedStep, module, query, key, value, scaling, sliding_windo
         raise ValueError(f"hfpaged expects a packed batch of shape [1, T], got batch size {query.shape[0]}")
     k_cache, v_cache = module._hfpaged_kv
     meta = context.metadata.on(query.device)
-    q = query[0].transpose(0, 1)
-    context.store_fn(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, meta.slot_mapping)
+    q, key, value = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    scales = module.__dict__.get("_hfpaged_kv_scale")  # fp8 caches: (whole [2], k_scale, v_scale)
+    kv_scales = {}
+    if scales is not None:
+        if context.calibrate:
+            calibrate(scales[0], key, value, k_cache.dtype)
+        kv_scales = {"k_scale": scales[1], "v_scale": scales[2]}
+    context.store_fn(key, value, k_cache, v_cache, meta.slot_mapping, **kv_scales)
     out = context.attention_fn(
         q,
         k_cache,
@@ -210,6 +218,7 @@ def _paged(context: PagedStep, module, query, key, value, scaling, sliding_windo
         softcap=softcap,
         max_seqlen_q=meta.max_seqlen_q,
         max_seqlen_k=meta.max_seqlen_k,
+        **kv_scales,
     )
     return out.unsqueeze(0)
 

@@ -27,12 +27,18 @@ def register_custom_ops() -> None:
 
     @torch.library.custom_op("hfpaged::store_kv", mutates_args=("k_cache", "v_cache"))
     def store_kv_op(
-        key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None,
     ) -> None:
-        store_kv(key, value, k_cache, v_cache, slot_mapping)
+        store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
     @store_kv_op.register_fake
-    def _store_kv_fake(key, value, k_cache, v_cache, slot_mapping) -> None:
+    def _store_kv_fake(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
         return None
 
     @torch.library.custom_op("hfpaged::paged_attention", mutates_args=())
@@ -48,6 +54,8 @@ def register_custom_ops() -> None:
         softcap: float,
         max_seqlen_q: int,
         max_seqlen_k: int,
+        k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None,
     ) -> torch.Tensor:
         return paged_attention(
             q,
@@ -61,6 +69,8 @@ def register_custom_ops() -> None:
             softcap=softcap if softcap > 0 else None,
             max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
     @paged_attention_op.register_fake
@@ -76,6 +86,8 @@ def register_custom_ops() -> None:
         softcap,
         max_seqlen_q,
         max_seqlen_k,
+        k_scale,
+        v_scale,
     ) -> torch.Tensor:
         return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
 
@@ -85,9 +97,17 @@ def register_custom_ops() -> None:
 def compiled_attention(module, query, key, value, scaling, sliding_window, softcap, kwargs) -> torch.Tensor:
     """The attention step of one layer when the metadata arrives as kwargs (compiled decode path)."""
     k_cache, v_cache = module._hfpaged_kv
+    scales = module.__dict__.get("_hfpaged_kv_scale")  # fp8 caches: (whole, k_scale, v_scale); never calibrates
+    k_scale, v_scale = (None, None) if scales is None else scales[1:]
     q = query[0].transpose(0, 1)
     torch.ops.hfpaged.store_kv(
-        key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, kwargs["hfpaged_slot_mapping"]
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        k_cache,
+        v_cache,
+        kwargs["hfpaged_slot_mapping"],
+        k_scale,
+        v_scale,
     )
     out = torch.ops.hfpaged.paged_attention(
         q,
@@ -101,6 +121,8 @@ def compiled_attention(module, query, key, value, scaling, sliding_window, softc
         float(softcap or 0.0),
         int(kwargs["hfpaged_max_seqlen_q"]),
         int(kwargs["hfpaged_max_seqlen_k"]),
+        k_scale,
+        v_scale,
     )
     return out.unsqueeze(0)
 

@@ -2,7 +2,7 @@
 
 Discovery runs one tiny packed forward with ``hfpaged=Discovery()``: every layer whose attention goes
 through transformers' ``AttentionInterface`` reports its heads, head dims, dtype, device, sliding window and
-softcap. The pool is sized from ``num_blocks``, or from free GPU memory after a profiling forward at
+softcap. The pool (in the model's dtype, or fp8 with ``kv_cache_dtype``) is sized from ``num_blocks``, or from free GPU memory after a profiling forward at
 ``max_num_batched_tokens`` (``gpu_memory_utilization`` of the card), or ``cpu_kv_cache_gib`` elsewhere.
 """
 
@@ -18,6 +18,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from ..core.block_pool import cdiv
 from ..core.config import EngineConfig
 from .attention import Discovery, LayerRecord, UnsupportedModelError, paged_forward
+from .kv_quant import cache_dtype
 
 CUDA_HEADROOM_BYTES = 512 << 20  # CUDA graphs, sampling buffers, allocator slack
 
@@ -88,11 +89,13 @@ def max_model_len(model: PreTrainedModel) -> int | None:
     return int(value) if value else None
 
 
-def block_bytes(layers: list[LayerRecord], block_size: int) -> dict[torch.device, int]:
-    """Bytes one block takes on each device (K and V of every layer there)."""
+def block_bytes(
+    layers: list[LayerRecord], block_size: int, cache_dtype: torch.dtype | None = None
+) -> dict[torch.device, int]:
+    """Bytes one block takes on each device (K and V of every layer there; ``cache_dtype`` None: the layer's)."""
     per_device: dict[torch.device, int] = {}
     for layer in layers:
-        elem = torch.empty((), dtype=layer.dtype).element_size()
+        elem = torch.empty((), dtype=cache_dtype or layer.dtype).element_size()
         size = block_size * layer.num_kv_heads * (layer.head_dim + layer.head_dim_v) * elem
         per_device[layer.device] = per_device.get(layer.device, 0) + size
     return per_device
@@ -111,7 +114,7 @@ def size_pool(
     ``max_num_seqs`` sequences of the model's full length)."""
     if config.num_blocks is not None:
         return config.num_blocks
-    per_device = block_bytes(layers, config.block_size)
+    per_device = block_bytes(layers, config.block_size, cache_dtype(config.kv_cache_dtype))
     upper = config.max_num_seqs * cdiv(model_len or 4096, config.block_size)
     if not all(layer.device.type == "cuda" for layer in layers):
         budget = int(config.cpu_kv_cache_gib * (1 << 30))
@@ -155,17 +158,14 @@ def _size_pool_cuda(model, config, configs, input_device, model_len, per_device,
 
 
 def allocate_caches(
-    layers: list[LayerRecord], num_blocks: int, block_size: int
+    layers: list[LayerRecord], num_blocks: int, block_size: int, cache_dtype: torch.dtype | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One ``[num_blocks, block_size, num_kv_heads, head_dim]`` K and V tensor per layer, on the layer's device."""
+    """One ``[num_blocks, block_size, num_kv_heads, head_dim]`` K and V tensor per layer, on the layer's device,
+    of ``cache_dtype`` (None: the layer's dtype)."""
     return [
         (
-            torch.zeros(
-                num_blocks, block_size, layer.num_kv_heads, layer.head_dim, dtype=layer.dtype, device=layer.device
-            ),
-            torch.zeros(
-                num_blocks, block_size, layer.num_kv_heads, layer.head_dim_v, dtype=layer.dtype, device=layer.device
-            ),
+            torch.zeros(num_blocks, block_size, layer.num_kv_heads, layer.head_dim, dtype=dtype, device=layer.device),
+            torch.zeros(num_blocks, block_size, layer.num_kv_heads, layer.head_dim_v, dtype=dtype, device=layer.device),
         )
-        for layer in layers
+        for layer, dtype in ((layer, cache_dtype or layer.dtype) for layer in layers)
     ]

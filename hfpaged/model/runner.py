@@ -24,6 +24,7 @@ from ..sampling.sampler import Sampler, StepResult
 from .attention import PagedStep, eval_mode, paged_forward
 from .cuda_graphs import DecodeGraphs
 from .input_batch import DeviceStep, HostStep, InputBatch, device_views, padded_width, region_slices
+from .kv_quant import as_bytes
 
 if TYPE_CHECKING:
     from .attach import PatchState
@@ -122,7 +123,10 @@ class ModelRunner:
             # device, so the indices go as a list of ints, which indexes a tensor on any device.
             keep = step.logits_indices.tolist()
         self.num_eager_steps += 1
-        return self.forward(step, logits_indices=keep), host
+        calibrate = self.state.calibration_pending  # fp8 scales from the first step that stores K/V
+        logits = self.forward(step, logits_indices=keep, calibrate=calibrate)
+        self.state.calibration_pending = False
+        return logits, host
 
     # --- host -> device ---------------------------------------------------------------------------
 
@@ -150,9 +154,11 @@ class ModelRunner:
 
     # --- forward ----------------------------------------------------------------------------------
 
-    def forward(self, step: DeviceStep, logits_indices: torch.Tensor | list[int] | int | None = None) -> torch.Tensor:
+    def forward(
+        self, step: DeviceStep, logits_indices: torch.Tensor | list[int] | int | None = None, calibrate: bool = False
+    ) -> torch.Tensor:
         """The unmodified model over a packed step with paged attention; logits ``[n, vocab]``."""
-        context = PagedStep(step.metadata, self.store_fn, self.attention_fn)
+        context = PagedStep(step.metadata, self.store_fn, self.attention_fn, calibrate)
         keep = step.logits_indices if logits_indices is None else logits_indices
         kwargs = {"logits_to_keep": keep} if self.supports_logits_to_keep else {}
         model = self.model
@@ -174,7 +180,8 @@ class ModelRunner:
         from ..kernels.warmup import warm_up
 
         seen = set()
-        for layer, (k_cache, v_cache) in zip(self.state.layers, self.state.kv_caches):
+        scales = self.state.kv_scales or [None] * len(self.state.layers)
+        for layer, (k_cache, v_cache), layer_scales in zip(self.state.layers, self.state.kv_caches, scales):
             key = (
                 layer.num_heads,
                 layer.num_kv_heads,
@@ -196,6 +203,8 @@ class ModelRunner:
                 max_num_seqs=self.config.max_num_seqs,
                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                 column_multiple=padded_width(1),
+                dtype=layer.dtype,
+                kv_scales=None if layer_scales is None else (layer_scales[0:1], layer_scales[1:2]),
             )
         torch.cuda.synchronize(self.device)
 
@@ -255,6 +264,7 @@ class ModelRunner:
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate shared blocks (every layer's K and V) before this step writes them."""
         for k, v in self.state.kv_caches:
+            k, v = as_bytes(k), as_bytes(v)  # fp8 blocks move as bytes
             src = torch.tensor([c[0] for c in copies], device=k.device)
             dst = torch.tensor([c[1] for c in copies], device=k.device)
             k.index_copy_(0, dst, k.index_select(0, src))

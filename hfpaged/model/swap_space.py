@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .kv_quant import as_bytes
+
 MAX_DEFAULT_SWAP_BYTES = 4 << 30
 
 
@@ -37,6 +39,11 @@ class SwapSpace:
             for k, v in kv_caches
         ]
 
+    def _pairs(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+        """(GPU K/V, CPU K/V) per layer, fp8 viewed as bytes (index_copy_ has no fp8 kernel on the CPU)."""
+        for (k, v), (ck, cv) in zip(kv_caches, self.caches):
+            yield (as_bytes(k), as_bytes(v)), (as_bytes(ck), as_bytes(cv))
+
     def copy_out(
         self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], gpu_ids: list[int], cpu_ids: list[int]
     ) -> None:
@@ -46,7 +53,7 @@ class SwapSpace:
         if not self.caches:
             self._allocate(kv_caches)
         dst = torch.tensor(cpu_ids)
-        for (k, v), (ck, cv) in zip(kv_caches, self.caches):
+        for (k, v), (ck, cv) in self._pairs(kv_caches):
             src = torch.tensor(gpu_ids, device=k.device)
             ck.index_copy_(0, dst, k.index_select(0, src).cpu())
             cv.index_copy_(0, dst, v.index_select(0, src).cpu())
@@ -58,7 +65,7 @@ class SwapSpace:
         if not cpu_ids:
             return
         src = torch.tensor(cpu_ids)
-        for (k, v), (ck, cv) in zip(kv_caches, self.caches):
+        for (k, v), (ck, cv) in self._pairs(kv_caches):
             dst = torch.tensor(gpu_ids, device=k.device)
             k.index_copy_(0, dst, ck.index_select(0, src).to(k.device))
             v.index_copy_(0, dst, cv.index_select(0, src).to(v.device))
