@@ -1,0 +1,182 @@
+"""FP8 vs bf16 KV cache, side by side in one process: max concurrent sequences and tokens/s (GPU).
+
+    python examples/bench_fp8_kv.py --model qwen3-0.6b --pool-gib 8 --out bench_fp8
+
+Random weights in a real shape (examples/benchmark.py's MODELS), bf16 weights, greedy, eos ignored.
+Workloads, each run with kv_cache_dtype="auto" (bf16) and "fp8" (e4m3, calibrated scales):
+  long       --long-requests prompts of U[4096, 8192] tokens, --long-new-tokens new tokens each, the pool
+             limited to --pool-gib GiB (the pool is the limit)
+  nano       the nano-vllm shape (256 requests, prompts and outputs ~U[100, 1024]), pool limited to
+             --pool-gib GiB (the pool is the limit)
+  nano_full  the nano-vllm shape with the pool sized by gpu_memory_utilization=0.9 (bf16 already holds
+             every request: the pool is not the limit)
+Per run: wall time, output tokens/s, all tokens (prompt + output)/s, the most sequences running at once,
+preemptions, pool blocks. Each patch is warmed up first (Triton variants, CUDA graphs). Writes JSON (after
+every run) and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from benchmark import MODELS, build_model, workload
+
+import hfpaged
+
+
+def long_workload(num_requests: int, new_tokens: int, vocab: int, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    in_lens = torch.randint(4096, 8193, (num_requests,), generator=gen).tolist()
+    prompts = [torch.randint(10, vocab - 10, (n,), generator=gen).tolist() for n in in_lens]
+    return prompts, [new_tokens] * num_requests
+
+
+def kv_bytes_per_token(model, kv: str) -> int:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    elem = 1 if kv != "auto" else model.dtype.itemsize
+    return cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * elem
+
+
+def run(model, prompts, out_lens) -> dict:
+    engine = hfpaged.Engine(model)
+    for p, n in zip(prompts, out_lens):
+        engine.add_request(p, max_new_tokens=n, do_sample=False, eos_token_id=None)
+    scheduler = engine.core.scheduler
+    max_running, num_tokens, steps = 0, 0, 0
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        num_tokens += len(engine.step())
+        max_running = max(max_running, len(scheduler.running))
+        steps += 1
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    stats = hfpaged.stats(model)
+    prompt_tokens = sum(map(len, prompts))
+    return {
+        "seconds": seconds,
+        "output_tokens": num_tokens,
+        "output_tokens_per_s": num_tokens / seconds,
+        "all_tokens_per_s": (num_tokens + prompt_tokens) / seconds,
+        "max_running": max_running,
+        "steps": steps,
+        "num_preemptions": stats["num_preemptions"],
+        "num_blocks": stats["num_blocks"],
+        "pool_tokens": stats["num_blocks"] * stats["block_size"],
+        "pool_gib": stats["num_blocks"] * stats["block_size"] * stats["kv_cache_bytes_per_token"] / 2**30,
+        "kv_cache_dtype": stats["kv_cache_dtype"],
+    }
+
+
+def bench(model, name, prompts, out_lens, pool_gib, results, out_dir):
+    results[name] = {}
+    for kv in ("auto", "fp8"):
+        if pool_gib is None:
+            hfpaged.patch(model, gpu_memory_utilization=0.9, kv_cache_dtype=kv)
+        else:
+            block_bytes = 16 * kv_bytes_per_token(model, kv)
+            hfpaged.patch(model, num_blocks=int(pool_gib * 2**30) // block_bytes, kv_cache_dtype=kv)
+        short = [p[:256] for p in prompts[:8]]
+        model.generate_many(short, max_new_tokens=32, do_sample=False)  # warm-up: kernels, graphs, calibration
+        model.generate_many(short * 8, max_new_tokens=16, do_sample=False)
+        entry = run(model, prompts, out_lens)
+        results[name][kv] = entry
+        print(name, kv, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in entry.items()}),
+              flush=True)  # fmt: skip
+        hfpaged.unpatch(model)
+        torch.cuda.empty_cache()
+        (out_dir / "bench_fp8_kv.json").write_text(json.dumps(results, indent=2))
+    a, f = results[name]["auto"], results[name]["fp8"]
+    results[name]["ratio"] = {
+        "output_tokens_per_s": f["output_tokens_per_s"] / a["output_tokens_per_s"],
+        "all_tokens_per_s": f["all_tokens_per_s"] / a["all_tokens_per_s"],
+        "max_running": f["max_running"] / a["max_running"],
+        "pool_tokens": f["pool_tokens"] / a["pool_tokens"],
+    }
+    (out_dir / "bench_fp8_kv.json").write_text(json.dumps(results, indent=2))
+
+
+def table(results) -> str:
+    lines = [f"{'workload':10} {'kv':5} {'pool tok':>9} {'max run':>7} {'preempt':>7} {'out tok/s':>9} "
+             f"{'all tok/s':>9} {'seconds':>7}"]  # fmt: skip
+    for name, runs in results.items():
+        if not isinstance(runs, dict) or "auto" not in runs:
+            continue
+        for kv in ("auto", "fp8"):
+            if kv in runs:
+                e = runs[kv]
+                lines.append(f"{name:10} {kv:5} {e['pool_tokens']:9d} {e['max_running']:7d} {e['num_preemptions']:7d} "
+                             f"{e['output_tokens_per_s']:9.0f} {e['all_tokens_per_s']:9.0f} {e['seconds']:7.1f}")  # fmt: skip
+        if "ratio" in runs:
+            r = runs["ratio"]
+            lines.append(f"{name:10} fp8/bf16: out tok/s {r['output_tokens_per_s']:.2f}x, all tok/s "
+                         f"{r['all_tokens_per_s']:.2f}x, max running {r['max_running']:.2f}x")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(results, path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = [n for n, r in results.items() if isinstance(r, dict) and "ratio" in r]
+    if not names:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in (
+        (axes[0], "output_tokens_per_s", "output tokens / s"),
+        (axes[1], "max_running", "max running"),
+    ):
+        for i, kv in enumerate(("auto", "fp8")):
+            xs = [j + (i - 0.5) * 0.4 for j in range(len(names))]
+            ax.bar(xs, [results[n][kv][key] for n in names], 0.4, label="bf16 KV" if kv == "auto" else "fp8 KV")
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(names)
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle(f"{results.get('model')} ({results.get('device')}): bf16 vs fp8 KV cache")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-0.6b", choices=list(MODELS))
+    parser.add_argument("--workloads", nargs="+", default=["long", "nano", "nano_full"],
+                        choices=["long", "nano", "nano_full"])  # fmt: skip
+    parser.add_argument("--pool-gib", type=float, default=8.0)
+    parser.add_argument("--long-requests", type=int, default=32)
+    parser.add_argument("--long-new-tokens", type=int, default=512)
+    parser.add_argument("--nano-requests", type=int, default=256)
+    parser.add_argument("--out", default="bench_fp8")
+    args = parser.parse_args(argv)
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = build_model(args.model, torch.bfloat16)
+    vocab = model.config.vocab_size
+    results = {"model": args.model, "device": torch.cuda.get_device_name(), "pool_gib": args.pool_gib,
+               "args": vars(args)}  # fmt: skip
+    for name in args.workloads:
+        if name == "long":
+            prompts, out_lens = long_workload(args.long_requests, args.long_new_tokens, vocab)
+        else:
+            prompts, out_lens = workload("nano", args.nano_requests, vocab)
+        bench(model, name, prompts, out_lens, None if name == "nano_full" else args.pool_gib, results, out_dir)
+    print(table(results), flush=True)
+    (out_dir / "table.txt").write_text(table(results) + "\n")
+    plot(results, out_dir / "bench_fp8_kv.png")
+
+
+if __name__ == "__main__":
+    main()
