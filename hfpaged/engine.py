@@ -276,13 +276,37 @@ class Engine(Client):
         **kwargs: Any,
     ) -> str:
         """Queue one prompt (string or token ids); ``kwargs`` are generate-style settings. Returns its id."""
-        if kwargs.get("streamer") is not None:
-            raise ValueError("streamer= is for generate_many with one prompt; read Engine.step() outputs instead")
-        kwargs.pop("streamer", None)
+        return self.add_requests([prompt], [kwargs], [request_id], generation_config=generation_config)[0]
+
+    def add_requests(
+        self,
+        prompts: list[Any],
+        settings: list[dict[str, Any]],
+        request_ids: list[str | None] | None = None,
+        *,
+        generation_config: GenerationConfig | None = None,
+    ) -> list[str]:
+        """Queue several prompts at once, each with its own generate-style settings (``settings[i]``): all or
+        none (a bad prompt or setting raises and queues nothing). The weights are checked once for all of them.
+        Returns their ids."""
+        if len(settings) != len(prompts) or (request_ids is not None and len(request_ids) != len(prompts)):
+            raise ValueError(
+                f"add_requests needs one settings dict (and request id) per prompt: {len(prompts)} prompts, "
+                f"{len(settings)} settings" + ("" if request_ids is None else f", {len(request_ids)} request ids")
+            )
         self.core.check_weights(self.model)
         with self.core.lock:
-            if request_id is not None and request_id in self.core.scheduler.requests:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            request = self.core.prompts.make_one(prompt, generation_config, kwargs, self.tokenizer, request_id)
-            self.submit([request])
-        return request.request_id
+            requests, taken = [], set()
+            for prompt, kwargs, request_id in zip(prompts, settings, request_ids or [None] * len(prompts)):
+                if kwargs.get("streamer") is not None:
+                    raise ValueError(
+                        "streamer= is for generate_many with one prompt; read Engine.step() outputs instead"
+                    )
+                if request_id is not None and (request_id in self.core.scheduler.requests or request_id in taken):
+                    raise ValueError(f"request_id {request_id!r} is already in use")
+                taken.add(request_id)
+                kwargs = {key: value for key, value in kwargs.items() if key != "streamer"}
+                make = self.core.prompts.make_one
+                requests.append(make(prompt, generation_config, kwargs, self.tokenizer, request_id))
+            self.submit(requests)
+        return [request.request_id for request in requests]

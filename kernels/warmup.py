@@ -57,7 +57,7 @@ def warm_up(
         block_tables[:, :num_blocks] = torch.arange(num_blocks, dtype=torch.int32, device=device)
         seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=device)
         cu = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
-        q = torch.randn(num_tokens, num_heads, head_dim, dtype=dtype, device=device)
+        q = torch.ones(num_tokens, num_heads, head_dim, dtype=dtype, device=device)  # no RNG: a graph may be capturing
         paged_attention(
             q,
             k_cache,

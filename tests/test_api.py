@@ -251,6 +251,28 @@ def test_engine_add_step_abort(model):
     assert all_free(model)
 
 
+def test_engine_add_requests_is_all_or_none(model):
+    engine = hfpaged.Engine(model)
+    prompts = random_prompts([4, 9, 6], seed=15)
+    expected = reference_generate(model, prompts, max_new_tokens=4, do_sample=False)
+    greedy = {"max_new_tokens": 4, "do_sample": False}
+    with pytest.raises(ValueError, match="outside the vocabulary"):  # the third is bad: none is queued
+        engine.add_requests([prompts[0], prompts[1], [VOCAB + 5]], [greedy] * 3, ["a", "b", "c"])
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_requests(prompts[:2], [greedy] * 2, ["a", "a"])
+    with pytest.raises(ValueError, match="one settings dict"):
+        engine.add_requests(prompts, [greedy])
+    assert not engine.has_unfinished() and all_free(model)
+    ids = engine.add_requests(prompts, [greedy, {**greedy, "max_new_tokens": 2}, greedy], ["a", "b", None])
+    assert ids[:2] == ["a", "b"]
+    gained = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            gained[out.request_id].extend(out.new_token_ids)
+    assert [gained[i] for i in ids] == [expected[0], expected[1][:2], expected[2]]
+    assert all_free(model)
+
+
 def test_sampling_runs_respects_top_k_and_is_reproducible_with_a_seed(model):
     prompts = random_prompts([3, 10, 6], seed=14)
     a = model.generate_many(prompts, max_new_tokens=12, do_sample=True, top_k=3, temperature=0.8, seed=7)

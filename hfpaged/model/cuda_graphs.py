@@ -1,11 +1,18 @@
-"""CUDA graphs of the patched forward for decode steps, one per batch-size bucket.
+"""CUDA graphs of the patched forward: decode steps by batch bucket, mixed and prefill steps by token bucket.
 
-Each graph replays the whole model body plus the LM head for ``bucket`` one-token requests, reading
-its inputs from static device buffers and writing logits into a static output. The per-token part of
-the packed layout (``step_inputs``) lives in one small buffer; the block tables live in their own
-``[max_bucket, width]`` buffer, of which a step writes only the ``[batch, used columns]`` corner
-(the kernel never reads past a sequence's blocks). Graphs are captured largest first into one
-shared memory pool.
+Each graph replays the whole model body plus the LM head for a fixed shape (T tokens from R requests),
+reading its inputs from static device buffers and writing logits into a static output. The per-token part
+of the packed layout (``step_inputs``) lives in one small buffer; the block tables live in their own
+``[max R, width]`` buffer, of which a step writes only the ``[R, used columns]`` corner (the kernel never
+reads past a sequence's blocks). A step smaller than its bucket is padded (``InputBatch.pack``): padding
+sequences own the padding tokens, store nothing (slot -1) and are not sampled; sequences past them have no
+query tokens at all.
+
+Decode graphs (T = R = the batch bucket) keep one output each. Mixed graphs (T = a token bucket, R =
+min(T, max_num_seqs + 1): any step of at most T tokens fits, with a sequence to spare for the padding)
+attend with the prefill tiles (the attention's ``max_seqlen_q`` hint is T) and copy their logits into one
+output shared by all of them, so the logits of the largest bucket are not held once per bucket. Graphs of
+one kind are captured largest first into one shared memory pool.
 """
 
 from __future__ import annotations
@@ -16,8 +23,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from ..core.block_pool import cdiv
 from .attention import AttentionMetadata
-from .input_batch import DeviceStep, packed_size, region_slices, tables_offset
+from .input_batch import DeviceStep, packed_size, padded_width, region_slices, tables_offset
 
 logger = logging.getLogger("hfpaged")
 
@@ -31,44 +39,83 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return sorted(set(buckets))
 
 
-class DecodeGraphs:
-    """Captured decode forwards keyed by batch bucket."""
+def token_buckets(max_num_batched_tokens: int) -> list[int]:
+    """16, 32, 64, ... 512, then steps of 1.5x and 2x (768, 1024, 1536, 2048, ...) up to max_num_batched_tokens."""
+    buckets, t = [], 16
+    while t < max_num_batched_tokens:
+        buckets.append(t)
+        if t >= 512:
+            buckets.append(t * 3 // 2)
+        t *= 2
+    buckets = [b for b in buckets if b < max_num_batched_tokens] + [max_num_batched_tokens]
+    return sorted(set(buckets))
 
-    def __init__(self, device: torch.device, max_num_seqs: int, width: int, max_seqlen_k: int):
-        self.width = width  # block-table columns every graph may read
-        self.max_seqlen_k = max_seqlen_k  # the attention grid hint baked into the graphs
-        self.buckets = batch_buckets(max_num_seqs)
+
+class StepGraphs:
+    """Captured forwards keyed by bucket: decode (``mixed=False``: T = R = bucket) or mixed (T = bucket)."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        max_num_seqs: int,
+        width: int,
+        block_size: int,
+        *,
+        mixed: bool = False,
+        max_num_tokens: int | None = None,
+    ):
+        self.width = width  # block-table columns of a real request (longer ones run eagerly)
+        self.max_seqlen_k = width * block_size  # the attention grid hint baked into the graphs
+        self.mixed = mixed
+        self.max_num_seqs = max_num_seqs
+        self.buckets = token_buckets(max_num_tokens) if mixed else batch_buckets(max_num_seqs)
         self.device = device
-        largest = self.buckets[-1]
-        self.static = torch.zeros(packed_size(largest, largest, 0), dtype=torch.int32, device=self.device)
-        self.static_block_tables = torch.zeros(largest, width, dtype=torch.int32, device=self.device)
+        largest_tokens, largest_reqs = self.shape(self.buckets[-1])
+        self.static = torch.zeros(packed_size(largest_tokens, largest_reqs, 0), dtype=torch.int32, device=device)
+        # a padding sequence of up to T tokens reads cdiv(T, block_size) columns of its row (block 0 or stale ids)
+        table_width = max(width, padded_width(cdiv(largest_tokens, block_size)))
+        self.static_block_tables = torch.zeros(largest_reqs, table_width, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
-    def bucket_for(self, num_reqs: int) -> int | None:
+    def shape(self, bucket: int) -> tuple[int, int]:
+        """(tokens, requests) of ``bucket``'s graph."""
+        return (bucket, min(bucket, self.max_num_seqs + 1)) if self.mixed else (bucket, bucket)
+
+    def bucket_for(self, num_tokens: int, num_reqs: int) -> int | None:
+        """The smallest bucket a step of ``num_tokens`` tokens from ``num_reqs`` requests fits, or None."""
+        size = num_tokens if self.mixed else num_reqs
         for bucket in self.buckets:
-            if bucket >= num_reqs:
+            if bucket >= size:
                 return bucket
         return None
 
     def _dummy_inputs(self, bucket: int) -> np.ndarray:
-        packed = np.zeros(packed_size(bucket, bucket, 0), dtype=np.int32)
-        at = region_slices(bucket, bucket)
+        """One sequence per token (decode), or one sequence holding every token (mixed); nothing stored."""
+        num_tokens, num_reqs = self.shape(bucket)
+        packed = np.zeros(packed_size(num_tokens, num_reqs, 0), dtype=np.int32)
+        at = region_slices(num_tokens, num_reqs)
         packed[at["slot_mapping"]] = -1  # store nothing
-        packed[at["logits_indices"]] = np.arange(bucket)
-        packed[at["seq_lens"]] = 1
-        packed[at["cu_seqlens_q"]] = np.arange(bucket + 1)
+        packed[at["logits_indices"]] = np.arange(num_reqs)
+        if self.mixed:
+            packed[at["positions"]] = np.arange(num_tokens)
+            packed[at["seq_lens"]][0] = num_tokens
+            packed[at["cu_seqlens_q"]][1:] = num_tokens
+        else:
+            packed[at["seq_lens"]] = 1
+            packed[at["cu_seqlens_q"]] = np.arange(num_reqs + 1)
         return packed
 
     def _views(self, bucket: int) -> DeviceStep:
-        """The step tensors of a ``bucket``-request decode, as views of the static buffers."""
-        flat, at = self.static, region_slices(bucket, bucket)
+        """The step tensors of ``bucket``'s graph, as views of the static buffers."""
+        num_tokens, num_reqs = self.shape(bucket)
+        flat, at = self.static, region_slices(num_tokens, num_reqs)
         metadata = AttentionMetadata(
             slot_mapping=flat[at["slot_mapping"]],
-            block_tables=self.static_block_tables[:bucket],
+            block_tables=self.static_block_tables[:num_reqs],
             seq_lens=flat[at["seq_lens"]],
             cu_seqlens_q=flat[at["cu_seqlens_q"]],
-            max_seqlen_q=1,
+            max_seqlen_q=num_tokens if self.mixed else 1,  # mixed: the prefill tiles, right for any query runs
             max_seqlen_k=self.max_seqlen_k,
         )
         return DeviceStep(
@@ -83,6 +130,7 @@ class DecodeGraphs:
         """Capture ``forward`` for every bucket (largest first, one shared pool)."""
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
+        shared = None  # mixed: the one logits buffer every graph copies into (outside the graph pool)
         for bucket in reversed(self.buckets):
             dummy = torch.from_numpy(self._dummy_inputs(bucket))
             self.static[: dummy.numel()].copy_(dummy)
@@ -90,24 +138,35 @@ class DecodeGraphs:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
-                    forward(self._views(bucket))
+                    logits = forward(self._views(bucket))
             torch.cuda.current_stream(self.device).wait_stream(stream)
+            if self.mixed and shared is None:
+                shared = torch.empty_like(logits)
+            del logits
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[bucket] = forward(self._views(bucket))
+            # thread_local: other threads (stock generate, another model) may keep using the GPU meanwhile
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                logits = forward(self._views(bucket))
+                if self.mixed:
+                    shared[: logits.shape[0]].copy_(logits)
+                    logits = shared[: logits.shape[0]]
+            self.outputs[bucket] = logits
             self.graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
-        logger.info("hfpaged: captured %d decode CUDA graphs (batch %s)", len(self.graphs), self.buckets)
+        kind = "mixed-step (tokens" if self.mixed else "decode (batch"
+        logger.info("hfpaged: captured %d %s CUDA graphs %s)", len(self.graphs), kind, self.buckets)
 
     def load(self, packed_host: torch.Tensor, bucket: int, width: int) -> None:
-        """Copy a packed decode step (built for ``bucket`` rows and ``width`` block columns) into the static buffers."""
-        small = tables_offset(bucket, bucket)
+        """Copy a packed step (built for ``bucket``'s shape and ``width`` block columns) into the static buffers."""
+        num_tokens, num_reqs = self.shape(bucket)
+        small = tables_offset(num_tokens, num_reqs)
         self.static[:small].copy_(packed_host[:small], non_blocking=True)
-        self.static_block_tables[:bucket, :width].copy_(packed_host[small:].view(bucket, width), non_blocking=True)
+        tables = packed_host[small:].view(num_reqs, width)
+        self.static_block_tables[:num_reqs, :width].copy_(tables, non_blocking=True)
 
     def input_ids(self, bucket: int) -> torch.Tensor:
         """The static int32 input ids of ``bucket``'s graph (to patch in tokens that are already on the device)."""
-        return self.static[region_slices(bucket, bucket)["input_ids"]]
+        return self.static[region_slices(*self.shape(bucket))["input_ids"]]
 
     def replay(self, bucket: int, num_sampled: int) -> torch.Tensor:
         """Replay the graph of ``bucket`` on the loaded inputs; logits ``[num_sampled, vocab]``."""

@@ -156,21 +156,20 @@ class InputBatch:
         scheduled: list[ScheduledRequest],
         previous: StepResult | None,
         *,
-        pad_to: int | None = None,
+        pad_to: tuple[int, int] | None = None,
         width: int | None = None,
     ) -> HostStep:
-        """Pack a step. With ``pad_to`` (decode graphs) the batch is padded to that size: padded rows get
-        slot -1 (nothing stored), a one-token context in block 0, and are not sampled. A request whose last
-        input token the previous step sampled (not yet read on the host) takes it from that step's device
-        tokens (``HostStep.pending``)."""
+        """Pack a step. With ``pad_to = (tokens, requests)`` (a CUDA graph's shape) the step is padded to it:
+        padding sequences take one padding token each, the last of them the rest, and those past the padding
+        tokens none; padding stores nothing (slot -1), attends only to itself (its block-table row is block 0)
+        and is not sampled. A request whose last input token the previous step sampled (not yet read on the
+        host) takes it from that step's device tokens (``HostStep.pending``)."""
         states = [self.states[s.request_id] for s in scheduled]
         num_real = len(scheduled)
         rows = np.fromiter((state.row for state in states), dtype=np.int64, count=num_real)
         q_lens = np.fromiter((s.num_tokens for s in scheduled), dtype=np.int64, count=num_real)
         starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=num_real)
-        num_tokens = num_reqs = pad_to if pad_to is not None else None
-        if pad_to is None:
-            num_tokens, num_reqs = int(q_lens.sum()), num_real
+        num_tokens, num_reqs = (int(q_lens.sum()), num_real) if pad_to is None else pad_to
         seq_lens_real = starts + q_lens
         max_blocks = int(self.num_blocks[rows].max())
         if width is None:
@@ -215,10 +214,9 @@ class InputBatch:
         slot_mapping[: len(pos)] = block_tables[seq_of_token, pos // bs] * bs + pos % bs
         seq_lens[:num_real] = seq_lens_real
         cu_seqlens_q[: num_real + 1] = cu_real
-        if num_reqs > num_real:  # padding rows: one query, one key, nothing stored
-            slot_mapping[num_real:] = -1
-            seq_lens[num_real:] = 1
-            cu_seqlens_q[num_real + 1 :] = np.arange(num_real + 1, num_reqs + 1)
+        num_pad_tokens = num_tokens - int(cu_real[-1])
+        if num_pad_tokens or num_reqs > num_real:
+            _pad(positions, slot_mapping, seq_lens, cu_seqlens_q, num_real, num_reqs, num_pad_tokens)
 
         sample_rows = [i for i, s in enumerate(scheduled) if s.samples]
         logits_indices[: len(sample_rows)] = cu_real[1:][sample_rows] - 1
@@ -233,6 +231,23 @@ class InputBatch:
             sample_positions=[int(seq_lens_real[i]) for i in sample_rows],
             pending=np.array([pending_dst, pending_src], dtype=np.int64) if pending_dst else None,
         )
+
+
+def _pad(positions, slot_mapping, seq_lens, cu_seqlens_q, num_real: int, num_reqs: int, num_pad_tokens: int) -> None:
+    """Padding sequences num_real.. own the last ``num_pad_tokens`` tokens: one each, the last of them the rest."""
+    num_pad_reqs = num_reqs - num_real
+    if num_pad_tokens and num_pad_reqs < 1:
+        raise ValueError(f"{num_pad_tokens} padding tokens need a padding sequence: {num_reqs} requests are all real")
+    counts = np.zeros(num_pad_reqs, dtype=np.int64)
+    if num_pad_tokens:
+        counts[: min(num_pad_reqs, num_pad_tokens)] = 1
+        counts[min(num_pad_reqs, num_pad_tokens) - 1] += max(0, num_pad_tokens - num_pad_reqs)
+    first = int(cu_seqlens_q[num_real])
+    cu_seqlens_q[num_real + 1 :] = first + np.cumsum(counts)
+    seq_lens[num_real:] = counts
+    slot_mapping[first:] = -1
+    owner = np.repeat(np.arange(num_pad_reqs), counts)
+    positions[first:] = np.arange(num_pad_tokens) - (np.cumsum(counts) - counts)[owner]
 
 
 @dataclass

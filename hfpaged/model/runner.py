@@ -22,7 +22,7 @@ from ..core.block_pool import cdiv
 from ..core.scheduler_output import SchedulerOutput
 from ..sampling.sampler import Sampler, StepResult
 from .attention import PagedStep, eval_mode, paged_forward
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import StepGraphs
 from .input_batch import DeviceStep, HostStep, InputBatch, device_views, padded_width, region_slices
 from .kv_quant import as_bytes
 
@@ -56,7 +56,8 @@ class ModelRunner:
         self.batch = InputBatch(self.block_size, self.graph_width)
         self.sampler = Sampler()
         self.previous: StepResult | None = None  # the last step launched
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None  # decode-only steps, by batch bucket
+        self.mixed_graphs: StepGraphs | None = None  # steps with prefill tokens, by token bucket
         self._compiled = None
         self._warmed = False
         self.num_graph_steps = 0
@@ -80,6 +81,7 @@ class ModelRunner:
     def drop_graphs(self) -> None:
         """Forget captured graphs and compiled code (they baked in the old weights' addresses)."""
         self.graphs = None
+        self.mixed_graphs = None
         self._compiled = None
 
     # --- one step -------------------------------------------------------------------------------
@@ -104,14 +106,14 @@ class ModelRunner:
         return self.previous
 
     def _forward_step(self, out: SchedulerOutput) -> tuple[torch.Tensor, HostStep]:
-        bucket = self._graph_bucket(out)
-        if bucket is not None:
-            # the step's own (padded) table width: the graph reads only the [bucket, width] corner it is given
-            host = self.batch.pack(out.scheduled, self.previous, pad_to=bucket)
-            self.graphs.load(self._stage(host.packed), bucket, host.width)
-            self._fill_pending(self.graphs.input_ids(bucket), host.pending)
+        graphs, bucket = self._graphs_for(out)
+        if graphs is not None:
+            # the step's own (padded) table width: the graph reads only the [R, width] corner it is given
+            host = self.batch.pack(out.scheduled, self.previous, pad_to=graphs.shape(bucket))
+            graphs.load(self._stage(host.packed), bucket, host.width)
+            self._fill_pending(graphs.input_ids(bucket), host.pending)
             self.num_graph_steps += 1
-            return self.graphs.replay(bucket, host.num_sampled), host
+            return graphs.replay(bucket, host.num_sampled), host
         host = self.batch.pack(out.scheduled, self.previous)
         buffer = self._stage(host.packed).to(self.device, non_blocking=True)
         self._fill_pending(buffer[region_slices(host.num_tokens, host.num_reqs)["input_ids"]], host.pending)
@@ -230,26 +232,50 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         """Capture the decode CUDA graphs now (otherwise done at the first decode step)."""
         if self.use_graphs and self.graphs is None:
-            graphs = DecodeGraphs(
-                self.device, self.config.max_num_seqs, self.graph_width, self.graph_width * self.block_size
-            )
-            try:
-                graphs.capture(self._graph_forward)
-            except RuntimeError as error:  # e.g. a layer that synchronizes (some quantized matmuls)
-                logger.warning("hfpaged: CUDA graph capture failed (%s); decode steps run eagerly", error)
-                self.use_graphs = False
-                return
-            self.graphs = graphs
+            graphs = StepGraphs(self.device, self.config.max_num_seqs, self.graph_width, self.block_size)
+            if self._capture(graphs, self._graph_forward):
+                self.graphs = graphs
 
-    def _graph_bucket(self, out: SchedulerOutput) -> int | None:
-        if not self.use_graphs:
-            return None
-        if not all(s.num_tokens == 1 and s.samples for s in out.scheduled):
-            return None
+    def capture_mixed_graphs(self) -> None:
+        """Capture the CUDA graphs of steps with prefill tokens now (otherwise done at the first such step)."""
+        if self.use_graphs and self.mixed_graphs is None:
+            graphs = StepGraphs(
+                self.device,
+                self.config.max_num_seqs,
+                self.graph_width,
+                self.block_size,
+                mixed=True,
+                max_num_tokens=self.config.max_num_batched_tokens,
+            )
+            if self._capture(graphs, self.forward):
+                self.mixed_graphs = graphs
+
+    def _capture(self, graphs: StepGraphs, forward) -> bool:
+        try:
+            graphs.capture(forward)
+        except RuntimeError as error:  # e.g. a layer that synchronizes (some quantized matmuls)
+            logger.warning("hfpaged: CUDA graph capture failed (%s); steps run eagerly", error)
+            self.use_graphs = False
+            self.graphs = self.mixed_graphs = None
+            return False
+        return True
+
+    def _graphs_for(self, out: SchedulerOutput) -> tuple[StepGraphs | None, int | None]:
+        """The captured graphs and bucket this step replays, or (None, None) to run it eagerly."""
+        if not self.use_graphs or self.state.calibration_pending:
+            return None, None
         if self.batch.max_blocks(out.scheduled) > self.graph_width:
-            return None
-        self.capture_graphs()
-        return self.graphs.bucket_for(len(out.scheduled)) if self.graphs is not None else None
+            return None, None
+        if all(s.num_tokens == 1 and s.samples for s in out.scheduled):
+            self.capture_graphs()
+            graphs = self.graphs
+        else:
+            self.capture_mixed_graphs()
+            graphs = self.mixed_graphs
+        if graphs is None:
+            return None, None
+        bucket = graphs.bucket_for(sum(s.num_tokens for s in out.scheduled), len(out.scheduled))
+        return (graphs, bucket) if bucket is not None else (None, None)
 
     # --- block copies -----------------------------------------------------------------------------
 

@@ -108,12 +108,21 @@ class EngineLoop:
                         commands.append(self.commands.get_nowait())
                     except queue.Empty:
                         break
+                adds: list[AddRequests] = []  # consecutive adds go to the engine together
                 for command in commands:
+                    if isinstance(command, AddRequests):
+                        adds.append(command)
+                        continue
+                    self._add(adds)
+                    adds = []
                     if isinstance(command, StopEngine):
                         self._drain()
                         self.send(EngineStopped(self.stats))
                         return
-                    self._apply(command)
+                    if isinstance(command, AbortRequests):
+                        for request_id in command.request_ids:
+                            self._abort(request_id)
+                self._add(adds)
                 if engine.has_unfinished():
                     self._step()
         except FrontendGone:
@@ -127,26 +136,37 @@ class EngineLoop:
             with contextlib.suppress(Exception):
                 self._drain()
 
-    def _apply(self, command: AddRequests | AbortRequests) -> None:
-        if isinstance(command, AbortRequests):
-            for request_id in command.request_ids:
-                self._abort(request_id)
+    def _add(self, commands: list[AddRequests]) -> None:
+        """Add the submissions of ``commands`` in one ``add_requests`` (the weights checked once for all); if
+        that fails, command by command, so that each answers for its own (all or none each)."""
+        if not commands:
             return
-        added = []
-        error = None
-        try:
-            for submission in command.submissions:
-                self.engine.add_request(
-                    submission.prompt_token_ids, request_id=submission.request_id, **submission.generate_kwargs
-                )
-                added.append(submission.request_id)
-                self.unfinished[submission.request_id] = submission.num_sequences
-                self.waiting.add(submission.request_id)
-        except Exception as exc:  # ValueError/TypeError: a bad setting; the handler answers 400
-            error = ("invalid" if isinstance(exc, (ValueError, TypeError)) else "error", str(exc))
-            for request_id in added:
-                self._abort(request_id)
-        self.send(Added(command.tag, error))
+        if len(commands) > 1:
+            try:
+                self._add_submissions([s for command in commands for s in command.submissions])
+            except Exception:  # one of them is bad: find out which, one command at a time
+                pass
+            else:
+                for command in commands:
+                    self.send(Added(command.tag, None))
+                return
+        for command in commands:
+            error = None
+            try:
+                self._add_submissions(command.submissions)
+            except Exception as exc:  # ValueError/TypeError: a bad setting; the handler answers 400
+                error = ("invalid" if isinstance(exc, (ValueError, TypeError)) else "error", str(exc))
+            self.send(Added(command.tag, error))
+
+    def _add_submissions(self, submissions: list) -> None:
+        self.engine.add_requests(
+            [s.prompt_token_ids for s in submissions],
+            [s.generate_kwargs for s in submissions],
+            [s.request_id for s in submissions],
+        )
+        for submission in submissions:
+            self.unfinished[submission.request_id] = submission.num_sequences
+            self.waiting.add(submission.request_id)
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

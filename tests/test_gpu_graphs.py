@@ -1,0 +1,99 @@
+"""CUDA graphs for every step (run with `pytest -m gpu` on a GPU): mixed prefill + decode steps and prefill
+chunks replay from token-bucket graphs, decode-only steps from batch-bucket graphs.
+
+The CPU side of the padding is checked in test_graph_padding.py (the same padded forward, run eagerly).
+"""
+
+import pytest
+import torch
+from models import make_model, random_prompts, reference_generate
+
+import hfpaged
+from hfpaged.engine import Engine
+
+pytestmark = pytest.mark.gpu
+
+
+def staggered(model, prompts, max_new_tokens, every=3):
+    """Greedy outputs of ``prompts`` added one every ``every`` steps: most steps mix a prefill with decodes."""
+    engine = Engine(model)
+    ids = []
+    outputs: dict[str, list[int]] = {}
+    pending = list(prompts)
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % every == 0:
+            ids.append(engine.add_request(pending.pop(0), max_new_tokens=max_new_tokens, do_sample=False))
+        for output in engine.step():
+            outputs.setdefault(output.prompt_id, []).extend(output.new_token_ids)
+        step += 1
+    return [outputs[i] for i in ids]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
+def test_mixed_steps_replay_from_graphs_token_for_token(arch):
+    model = make_model(arch).cuda()
+    prompts = random_prompts([3, 40, 9, 17, 70, 5, 33, 12], seed=11)
+    expected = reference_generate(model, prompts, max_new_tokens=16, do_sample=False)
+    hfpaged.patch(model, num_blocks=64, block_size=4, max_num_seqs=6, max_num_batched_tokens=64)
+    assert staggered(model, prompts, 16) == expected
+    runner = model._hfpaged.engine.runner
+    assert runner.mixed_graphs is not None and runner.graphs is not None
+    assert runner.num_eager_steps == 0 and runner.num_graph_steps > 0
+    # the same against the eager engine: graphs change no token
+    hfpaged.patch(model, num_blocks=64, block_size=4, max_num_seqs=6, max_num_batched_tokens=64, enforce_eager=True)
+    assert staggered(model, prompts, 16) == expected
+    assert model._hfpaged.engine.runner.num_graph_steps == 0
+
+
+def written_slots(model, prompts, **options):
+    """Which K and V cache slots hold a value after a staggered run (the pool starts filled with a sentinel)."""
+    hfpaged.patch(model, num_blocks=128, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, **options)
+    sentinel = 1234.0
+    for k_cache, v_cache in model._hfpaged.kv_caches:
+        k_cache.fill_(sentinel)
+        v_cache.fill_(sentinel)
+    outputs = staggered(model, prompts, 9, every=2)
+    masks = [(cache != sentinel).any(dim=-1).any(dim=-1) for kv in model._hfpaged.kv_caches for cache in kv]
+    return outputs, torch.stack(masks), model._hfpaged.engine.runner
+
+
+def test_padding_writes_no_kv():
+    """Padded graph steps write exactly the slots the eager steps write (padding stores nothing)."""
+    model = make_model("qwen3").cuda()
+    prompts = random_prompts([7, 21, 2, 13], seed=12)
+    graph_outputs, graph_written, runner = written_slots(model, prompts)
+    assert runner.mixed_graphs is not None and runner.num_eager_steps == 0
+    eager_outputs, eager_written, runner = written_slots(model, prompts, enforce_eager=True)
+    assert runner.num_graph_steps == 0
+    assert graph_outputs == eager_outputs
+    assert torch.equal(graph_written, eager_written) and graph_written.sum() > 0
+
+
+def test_weights_updated_in_place_after_capture_are_used():
+    model = make_model("llama").cuda()
+    prompts = random_prompts([5, 30, 11], seed=13)
+    hfpaged.patch(model, num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    assert staggered(model, prompts, 8) == reference_generate(model, prompts, max_new_tokens=8, do_sample=False)
+    runner = model._hfpaged.engine.runner
+    graphs, mixed = runner.graphs, runner.mixed_graphs
+    assert graphs is not None and mixed is not None
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(-3.0)
+        model.lm_head.weight.add_(0.05 * torch.randn_like(model.lm_head.weight))
+    expected = reference_generate(model, prompts, max_new_tokens=8, do_sample=False)
+    steps = runner.num_graph_steps
+    assert staggered(model, prompts, 8) == expected
+    assert runner.graphs is graphs and runner.mixed_graphs is mixed  # the same graphs, the new values
+    assert runner.num_graph_steps > steps and runner.num_eager_steps == 0
+
+
+def test_a_long_prompt_is_chunked_into_graph_steps():
+    """A prompt longer than max_num_batched_tokens arrives in chunks, each a graph step (none runs eagerly)."""
+    model = make_model("qwen3").cuda()
+    prompts = random_prompts([150, 4], seed=14)
+    expected = reference_generate(model, prompts, max_new_tokens=6, do_sample=False)
+    hfpaged.patch(model, num_blocks=96, block_size=4, max_num_seqs=4, max_num_batched_tokens=48)
+    results = model.generate_many(prompts, max_new_tokens=6, do_sample=False)
+    assert [r.token_ids for r in results] == expected
+    assert model._hfpaged.engine.runner.num_eager_steps == 0

@@ -1,0 +1,110 @@
+"""Steps padded to CUDA-graph shapes (decode batch buckets, mixed-step token buckets) give the tokens of
+unpadded steps.
+
+Graphs need a GPU; what they replay does not. The runner packs a step padded to its graph's shape, loads it
+into the static buffers and runs the forward on views of them; here the capture is replaced by running that
+same forward eagerly on the CPU, with the torch reference attention and with the Triton kernel under the
+interpreter. So the padding (padding sequences that own the padding tokens, sequences with no query token,
+the prefill-tile hint of mixed graphs, stale block-table columns) is checked token for token against stock
+``generate``, with preemption and prefix caching in play.
+"""
+
+import numpy as np
+import pytest
+import torch
+from models import make_model, random_prompts, reference_generate
+
+import hfpaged
+from hfpaged.engine import Engine
+from hfpaged.model.cuda_graphs import StepGraphs, batch_buckets, token_buckets
+from hfpaged.model.input_batch import region_slices
+
+
+def replay_eagerly(model, attention=None):
+    """Make the model's runner use "graphs" that run the padded forward eagerly; returns the runner."""
+    runner = model._hfpaged.engine.runner
+    if attention is not None:
+        runner.store_fn, runner.attention_fn = attention
+
+    def capture(graphs, forward):
+        graphs.replay = lambda bucket, num_sampled: forward(graphs._views(bucket))[:num_sampled]
+        return True
+
+    runner._capture = capture
+    runner.use_graphs = True
+    return runner
+
+
+def test_token_and_batch_buckets():
+    assert token_buckets(8192) == [16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
+    assert token_buckets(100) == [16, 32, 64, 100]
+    assert token_buckets(8) == [8]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    graphs = StepGraphs(torch.device("cpu"), 8, 16, 16, mixed=True, max_num_tokens=64)
+    assert [graphs.shape(b) for b in graphs.buckets] == [(16, 9), (32, 9), (64, 9)]
+    assert graphs.bucket_for(17, 3) == 32 and graphs.bucket_for(65, 3) is None
+    # a padding sequence may own almost a whole bucket: its block-table row is wide enough for it
+    wide = StepGraphs(torch.device("cpu"), 8, 16, 4, mixed=True, max_num_tokens=512)
+    assert wide.static_block_tables.shape == (9, 128) and wide.width == 16
+    decode = StepGraphs(torch.device("cpu"), 8, 16, 16)
+    assert decode.shape(4) == (4, 4) and decode.bucket_for(3, 3) == 4
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_padded_steps_equal_stock_generate(kernel):
+    model = make_model("qwen3", seed=3)
+    prompts = random_prompts([5, 23, 9, 40, 3, 17], seed=4)
+    expected = reference_generate(model, prompts, max_new_tokens=8, do_sample=False)
+    # a pool of 16 blocks of 4 for six requests of up to 48 tokens: preemption; 6 sequences at most
+    hfpaged.patch(model, num_blocks=16, block_size=4, max_num_seqs=6, max_num_batched_tokens=48)
+    attention = None
+    if kernel == "triton":
+        pytest.importorskip("triton")
+        from hfpaged.kernels import paged_attention, store_kv
+
+        attention = (store_kv, paged_attention)
+    runner = replay_eagerly(model, attention)
+    results = model.generate_many(prompts, max_new_tokens=8, do_sample=False)
+    assert [r.token_ids for r in results] == expected
+    assert runner.mixed_graphs is not None and runner.graphs is not None  # both kinds replayed
+    assert runner.num_graph_steps > 0 and runner.num_eager_steps == 0
+    stats = hfpaged.stats(model)
+    assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_padding_layout_of_a_mixed_step():
+    """A mixed step of 2 requests (a 5-token prompt chunk and a decode) padded to 16 tokens, 9 sequences."""
+    model = make_model("llama")
+    hfpaged.patch(model, num_blocks=32, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    engine = model._hfpaged.engine
+    seen = []
+    original = engine.runner.batch.pack
+
+    def pack(scheduled, previous, **kwargs):
+        host = original(scheduled, previous, **kwargs)
+        seen.append((kwargs.get("pad_to"), host, [s.num_tokens for s in scheduled]))
+        return host
+
+    engine.runner.batch.pack = pack
+    replay_eagerly(model)
+    caller = Engine(model)
+    first = caller.add_request([5, 6, 7], max_new_tokens=4, do_sample=False)
+    while not any(o.prompt_id == first and o.new_token_ids for o in caller.step()):
+        pass  # the first request decodes from now on
+    caller.add_request([9, 10, 11, 12, 13], max_new_tokens=2, do_sample=False)
+    while caller.has_unfinished():
+        caller.step()
+    mixed = [(pad, host) for pad, host, lens in seen if pad is not None and sorted(lens) == [1, 5]]
+    assert mixed, [(pad, lens) for pad, _, lens in seen]
+    pad, host = mixed[0]
+    assert pad == (16, 9)
+    at = region_slices(16, 9)
+    packed = host.packed
+    cu = packed[at["cu_seqlens_q"]]
+    assert cu[0] == 0 and cu[2] == 6 and cu[-1] == 16 and np.all(np.diff(cu) >= 0)
+    pad_lens = np.diff(cu)[2:]  # padding sequences: one token each, the last the rest; none past the tokens
+    assert pad_lens.tolist() == [1, 1, 1, 1, 1, 1, 4]
+    assert packed[at["seq_lens"]][2:].tolist() == pad_lens.tolist()
+    assert (packed[at["slot_mapping"]][6:] == -1).all() and (packed[at["slot_mapping"]][:6] >= 0).all()
+    assert packed[at["positions"]][6:].tolist() == [0, 0, 0, 0, 0, 0, 0, 1, 2, 3]
+    assert host.num_sampled == 2
