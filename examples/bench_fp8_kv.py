@@ -104,6 +104,68 @@ def bench(model, name, prompts, out_lens, pool_gib, results, out_dir):
     (out_dir / "bench_fp8_kv.json").write_text(json.dumps(results, indent=2))
 
 
+def kernel_times(results) -> None:
+    """Decode attention (Qwen3-0.6B heads: 16 query, 8 KV, 128 dims) and store_kv, bf16 vs fp8 cache, in us."""
+    from hfpaged.kernels import paged_attention, store_kv
+
+    out = results.setdefault("kernels", {})
+    for batch, ctx in ((8, 2048), (64, 1024), (128, 2048), (256, 1024), (16, 8192)):
+        blocks = batch * ctx // 16
+        table = torch.arange(blocks, dtype=torch.int32, device="cuda").view(batch, -1)
+        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, 16, 128, dtype=torch.bfloat16, device="cuda")
+        times = {}
+        for kv in ("auto", "fp8"):
+            k = torch.randn(blocks, 16, 8, 128, device="cuda")
+            scale = torch.ones(1, device="cuda")
+            extra = {} if kv == "auto" else {"k_scale": scale, "v_scale": scale}
+            k = k.to(torch.bfloat16 if kv == "auto" else torch.float8_e4m3fn)
+            v = k.clone()
+
+            def call(k=k, v=v, extra=extra):
+                paged_attention(q, k, v, table, seq_lens, cu, scale=0.088, max_seqlen_q=1, max_seqlen_k=ctx, **extra)
+
+            for _ in range(3):
+                call()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                call()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(50):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times[kv] = start.elapsed_time(end) / 50 * 1e3
+            del k, v
+        key_bytes = batch * ctx * 8 * 128 * 2
+        out[f"B{batch}_ctx{ctx}"] = {"bf16_us": times["auto"], "fp8_us": times["fp8"],
+                                     "bf16_GBps": 2 * key_bytes / times["auto"] / 1e3,
+                                     "fp8_GBps": key_bytes / times["fp8"] / 1e3}  # fmt: skip
+        print("decode attention", batch, ctx, json.dumps(out[f"B{batch}_ctx{ctx}"]), flush=True)
+    tokens = 8192
+    key = torch.randn(tokens, 8, 128, dtype=torch.bfloat16, device="cuda")
+    slots = torch.arange(tokens, dtype=torch.int32, device="cuda")
+    for kv in ("auto", "fp8"):
+        cache = torch.zeros(tokens // 16, 16, 8, 128, device="cuda").to(
+            torch.bfloat16 if kv == "auto" else torch.float8_e4m3fn
+        )
+        extra = (
+            {} if kv == "auto" else {"k_scale": torch.ones(1, device="cuda"), "v_scale": torch.ones(1, device="cuda")}
+        )
+        for _ in range(3):
+            store_kv(key, key, cache, cache.clone(), slots, **extra)
+        c2 = cache.clone()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            store_kv(key, key, cache, c2, slots, **extra)
+        torch.cuda.synchronize()
+        out[f"store_kv_8k_{kv}_us"] = (time.perf_counter() - t0) / 50 * 1e6
+    print("store_kv", json.dumps({k: v for k, v in out.items() if k.startswith("store")}), flush=True)
+
+
 def table(results) -> str:
     lines = [f"{'workload':10} {'kv':5} {'pool tok':>9} {'max run':>7} {'preempt':>7} {'out tok/s':>9} "
              f"{'all tok/s':>9} {'seconds':>7}"]  # fmt: skip
@@ -154,7 +216,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-0.6b", choices=list(MODELS))
     parser.add_argument("--workloads", nargs="+", default=["long", "nano", "nano_full"],
-                        choices=["long", "nano", "nano_full"])  # fmt: skip
+                        choices=["long", "nano", "nano_full", "kernels"])  # fmt: skip
     parser.add_argument("--pool-gib", type=float, default=8.0)
     parser.add_argument("--long-requests", type=int, default=32)
     parser.add_argument("--long-new-tokens", type=int, default=512)
@@ -168,6 +230,10 @@ def main(argv=None) -> None:
     results = {"model": args.model, "device": torch.cuda.get_device_name(), "pool_gib": args.pool_gib,
                "args": vars(args)}  # fmt: skip
     for name in args.workloads:
+        if name == "kernels":
+            kernel_times(results)
+            (out_dir / "bench_fp8_kv.json").write_text(json.dumps(results, indent=2))
+            continue
         if name == "long":
             prompts, out_lens = long_workload(args.long_requests, args.long_new_tokens, vocab)
         else:
