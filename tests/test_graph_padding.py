@@ -108,3 +108,40 @@ def test_padding_layout_of_a_mixed_step():
     assert (packed[at["slot_mapping"]][6:] == -1).all() and (packed[at["slot_mapping"]][:6] >= 0).all()
     assert packed[at["positions"]][6:].tolist() == [0, 0, 0, 0, 0, 0, 0, 1, 2, 3]
     assert host.num_sampled == 2
+
+
+def run_both(arch, prompts, patch_options, eager_ok=False, **kwargs):
+    """(unpadded results, padded results) of one generate_many call. ``eager_ok``: beam rows and parallel
+    samples may outnumber max_num_seqs (a group runs together), and a step of more rows than any graph holds
+    runs eagerly."""
+    model = make_model(arch, seed=5)
+    hfpaged.patch(model, **patch_options)
+    plain = model.generate_many(prompts, **kwargs)
+    hfpaged.patch(model, **patch_options, watermark=0.02)  # a re-patch: a fresh engine and pool
+    runner = replay_eagerly(model)
+    padded = model.generate_many(prompts, **kwargs)
+    assert runner.num_graph_steps > 0 and (eager_ok or runner.num_eager_steps == 0)
+    stats = hfpaged.stats(model)
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    return plain, padded
+
+
+def test_padded_steps_keep_beams_forks_swaps_and_logprobs():
+    """Beam rows, forked samples (seeded), swap preemption and log-probs come out of padded steps as out of
+    unpadded ones."""
+    prompts = random_prompts([6, 19, 11, 27], seed=21)
+    options = dict(num_blocks=30, block_size=4, max_num_seqs=6, max_num_batched_tokens=32, preemption_mode="swap")
+    plain, padded = run_both("llama", prompts, options, True, max_new_tokens=8, num_beams=3, num_return_sequences=2)
+    assert [[s.token_ids for s in r.sequences] for r in plain] == [[s.token_ids for s in r.sequences] for r in padded]
+    assert [s.score for r in plain for s in r.sequences] == pytest.approx(
+        [s.score for r in padded for s in r.sequences], abs=1e-5
+    )
+    sampled = dict(max_new_tokens=8, do_sample=True, num_return_sequences=3, seed=9, top_k=20)
+    plain, padded = run_both("qwen3", prompts, options, True, **sampled, return_logprobs=True, top_logprobs=2)
+    assert [[s.token_ids for s in r.sequences] for r in plain] == [[s.token_ids for s in r.sequences] for r in padded]
+    assert len({tuple(s.token_ids) for r in plain for s in r.sequences}) > len(prompts)  # samples differ
+    greedy = dict(max_new_tokens=10, do_sample=False, return_logprobs=True)
+    plain, padded = run_both("gemma2", prompts, options, **greedy)
+    assert [r.token_ids for r in plain] == [r.token_ids for r in padded]
+    for a, b in zip(plain, padded):
+        assert a.sequences[0].logprobs == pytest.approx(b.sequences[0].logprobs, abs=1e-5)

@@ -83,11 +83,16 @@ class StepGraphs:
         return (bucket, min(bucket, self.max_num_seqs + 1)) if self.mixed else (bucket, bucket)
 
     def bucket_for(self, num_tokens: int, num_reqs: int) -> int | None:
-        """The smallest bucket a step of ``num_tokens`` tokens from ``num_reqs`` requests fits, or None."""
-        size = num_tokens if self.mixed else num_reqs
+        """The smallest bucket a step of ``num_tokens`` tokens from ``num_reqs`` requests fits, or None: its
+        requests must fit the graph's, with one to spare for the padding tokens if there are any (beam rows
+        can outnumber max_num_seqs: such a step may fit no graph and run eagerly)."""
         for bucket in self.buckets:
-            if bucket >= size:
-                return bucket
+            bucket_tokens, bucket_reqs = self.shape(bucket)
+            if bucket_tokens < num_tokens or bucket_reqs < num_reqs:
+                continue
+            if bucket_tokens > num_tokens and bucket_reqs == num_reqs and self.mixed:
+                continue  # the padding tokens would have no sequence
+            return bucket
         return None
 
     def _dummy_inputs(self, bucket: int) -> np.ndarray:
