@@ -97,3 +97,24 @@ def test_a_long_prompt_is_chunked_into_graph_steps():
     results = model.generate_many(prompts, max_new_tokens=6, do_sample=False)
     assert [r.token_ids for r in results] == expected
     assert model._hfpaged.engine.runner.num_eager_steps == 0
+
+
+def test_beams_and_parallel_samples_that_outnumber_max_num_seqs():
+    """A beam group (or a prompt's parallel samples) runs together even past max_num_seqs: such steps take a
+    larger graph or run eagerly, and the beams still equal stock beam search."""
+    from test_beam_search import assert_same, stock_beams
+
+    model = make_model("llama").cuda()
+    prompts = random_prompts([6, 19, 11], seed=15)
+    expected = stock_beams(model, prompts, max_new_tokens=10, num_beams=3, num_return_sequences=2, do_sample=False)
+    hfpaged.patch(model, num_blocks=96, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    results = model.generate_many(prompts, max_new_tokens=10, num_beams=3, num_return_sequences=2, do_sample=False)
+    assert_same(results, expected)
+    samples = dict(max_new_tokens=10, do_sample=True, num_return_sequences=4, seed=3)
+    first = model.generate_many(prompts, **samples)
+    assert [[s.token_ids for s in r.sequences] for r in first] == [
+        [s.token_ids for s in r.sequences] for r in model.generate_many(prompts, **samples)
+    ]
+    assert model._hfpaged.engine.runner.num_graph_steps > 0
+    stats = hfpaged.stats(model)
+    assert stats["num_free_blocks"] == stats["num_blocks"]
