@@ -109,7 +109,7 @@ def main(argv=None):
         # graph replay alone
         runner = engine.runner
         if runner.graphs is not None:
-            bucket = runner.graphs.bucket_for(batch)
+            bucket = runner.graphs.bucket_for(batch, batch)  # a decode step: batch tokens, batch requests
             graph = runner.graphs.graphs[bucket]
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
