@@ -41,14 +41,26 @@ logger = logging.getLogger("hfpaged")
 
 class WeightsVersion:
     """A cheap fingerprint of what a model computes: where each parameter lives, how often it was written in
-    place, and (PEFT models) which adapters its layers apply."""
+    place, and (PEFT models) which adapters its layers apply.
+
+    The module tree is walked once; each check reads the parameters of the remembered modules directly and
+    the identity of every module's children, so a replaced or added submodule still counts as new storage
+    (and the tree is walked again). Parameters shared by several modules appear once per owner. The model
+    itself is not remembered (it owns this object: no reference cycle), only its submodules.
+    """
 
     def __init__(self, model: torch.nn.Module):
         self.adapter_layers = adapter_layers(model)
+        self.modules = list(model.modules())[1:]
+        self.children = self._children(model)
         self.storage, self.versions, self.adapters = self.read(model)
 
+    def _children(self, model: torch.nn.Module) -> tuple[int, ...]:
+        return tuple(id(child) for module in (model, *self.modules) for child in module._modules.values())
+
     def read(self, model: torch.nn.Module) -> tuple[tuple[int, ...], tuple[int, ...], tuple]:
-        params = list(model.parameters())
+        modules = (model, *self.modules)
+        params = [p for module in modules for p in module._parameters.values() if p is not None]
         return (
             tuple(p.data_ptr() for p in params),
             tuple(p._version for p in params),
@@ -58,8 +70,14 @@ class WeightsVersion:
     def check(self, model: torch.nn.Module) -> tuple[bool, bool]:
         """(changed at all, changed beyond values: new storage or other adapters) since the last check;
         remembers the new fingerprint."""
+        children = self._children(model)
+        tree_changed = children != self.children
+        if tree_changed:  # a submodule was replaced or added: walk the tree again
+            self.modules = list(model.modules())[1:]
+            self.adapter_layers = adapter_layers(model)
+            self.children = self._children(model)
         storage, versions, adapters = self.read(model)
-        rewired = storage != self.storage or adapters != self.adapters
+        rewired = tree_changed or storage != self.storage or adapters != self.adapters
         changed = rewired or versions != self.versions
         self.storage, self.versions, self.adapters = storage, versions, adapters
         return changed, rewired
