@@ -81,7 +81,7 @@ def test_in_the_engine_api_a_nan_request_finishes_with_an_error_and_the_others_g
 
 def test_out_of_memory_inside_a_step_says_what_to_lower_and_leaves_everything_usable(model, monkeypatch):
     prompts = random_prompts([5, 14, 30], seed=3)
-    mlp = model.model.layers[1].mlp
+    mlp = model.model.layers[0].mlp  # layer 0: the K/V of layer 1 depend on it (cached prefix blocks go stale)
     real = mlp.forward
     calls = {"n": 0}
 
@@ -173,6 +173,24 @@ def test_in_place_updates_and_an_optimizer_step_are_used_by_the_next_call(model)
         optimizer.zero_grad()
     model.eval()
     assert exact(model, prompts)
+
+
+def test_a_replaced_parameter_or_submodule_is_seen_by_the_next_call(model):
+    """The weights fingerprint reads remembered submodules: a new Parameter object, a new submodule and a
+    tensor's storage swapped under it each count as new weights (cached prefix blocks dropped)."""
+    prompts = random_prompts([13, 9], seed=17)
+    shared = [prompts[0] + p for p in prompts]
+    assert exact(model, shared)
+    mlp = model.model.layers[0].mlp  # layer 0: the K/V of layer 1 depend on it (cached prefix blocks go stale)
+    torch.manual_seed(5)
+    mlp.up_proj.weight = torch.nn.Parameter(torch.randn_like(mlp.up_proj.weight) * 0.3)
+    assert exact(model, shared)
+    old = mlp.gate_proj
+    mlp.gate_proj = torch.nn.Linear(old.in_features, old.out_features, bias=False)
+    assert exact(model, shared)
+    mlp.down_proj.weight.data = torch.randn_like(mlp.down_proj.weight) * 0.3
+    assert exact(model, shared)
+    assert hfpaged.stats(model)["num_free_blocks"] == hfpaged.stats(model)["num_blocks"]
 
 
 def test_reset_prefix_cache_forgets_every_cached_block(model):
