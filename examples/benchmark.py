@@ -10,6 +10,12 @@ Workloads:
          (the nano-vllm bench shape). hfpaged and stock generate honour each request's own output
          length; generate_batch takes one max_new_tokens, so it runs with the mean output length.
   chat   256 requests, prompt length ~ U[32, 512], 128 new tokens each, eos ignored.
+  churn  1,000 requests, prompt and output lengths ~ U[16, 64]: requests finish and join at almost every
+         step, so nearly every step holds prefill tokens (the workload eager prefill steps were slow on).
+  long   32 requests, prompt length ~ U[4096, 8192], 128 new tokens each: prefill-bound.
+(--requests N gives every workload N requests instead.) --sections cold measures the cold start: a fresh
+process loads the model, patches it and times the first generate_many (8 chat prompts, 16 new tokens),
+with empty Triton/Inductor caches and then again with the caches that run filled.
 Stock generate runs padded batches of 64 on a subset (--stock-requests), counting only each
 request's own tokens. Also: batch-1 decode latency against the weight-bandwidth roofline, the share
 of allocated KV slots holding real tokens during the hfpaged run, and (--prefix) prefix caching
@@ -123,10 +129,60 @@ def workload(kind: str, num_requests: int, vocab: int, seed: int = 0):
     elif kind == "chat":
         in_lens = torch.randint(32, 513, (num_requests,), generator=gen).tolist()
         out_lens = [128] * num_requests
+    elif kind == "churn":
+        in_lens = torch.randint(16, 65, (num_requests,), generator=gen).tolist()
+        out_lens = torch.randint(16, 65, (num_requests,), generator=gen).tolist()
+    elif kind == "long":
+        in_lens = torch.randint(4096, 8193, (num_requests,), generator=gen).tolist()
+        out_lens = [128] * num_requests
     else:
         raise ValueError(kind)
     prompts = [torch.randint(10, vocab - 10, (n,), generator=gen).tolist() for n in in_lens]
     return prompts, out_lens
+
+
+WORKLOADS = ("nano", "chat", "churn", "long")
+WORKLOAD_REQUESTS = {"nano": 256, "chat": 256, "churn": 1000, "long": 32}
+
+
+def cold_start(name: str, compile: bool) -> dict:
+    """Patch -> first result in a fresh process: with empty kernel caches ("cold"), then with the caches that
+    first process filled ("warm")."""
+    import subprocess
+    import tempfile
+
+    results = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ)
+        env["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
+        env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor")
+        command = [sys.executable, os.path.abspath(__file__), "--cold-start-child", name] + (["--compile"] * compile)
+        for label in ("cold", "warm"):
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("COLD_START ")]
+            if done.returncode != 0 or not lines:
+                raise RuntimeError(
+                    f"cold-start child failed ({done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+                )
+            results[label] = json.loads(lines[-1][len("COLD_START ") :])
+    return results
+
+
+def cold_start_child(name: str, compile: bool) -> None:
+    import hfpaged
+
+    start = time.perf_counter()
+    model = build_model(name, torch.bfloat16)
+    torch.cuda.synchronize()
+    loaded = time.perf_counter()
+    hfpaged.patch(model, compile=compile)
+    patched = time.perf_counter()
+    prompts, _ = workload("chat", 8, model.config.vocab_size)
+    model.generate_many(prompts, max_new_tokens=16, do_sample=False)
+    torch.cuda.synchronize()
+    done = time.perf_counter()
+    times = {"load_s": loaded - start, "patch_s": patched - loaded, "patch_to_first_result_s": done - loaded}
+    print("COLD_START " + json.dumps(times), flush=True)
 
 
 def copy_bandwidth() -> float:
@@ -335,9 +391,24 @@ def bench_model(name, args, bandwidth):
     from hfpaged.testing import greedy_parity, parallel_sampling_kv
 
     log(f"\n=== {name} ===")
+    cold = None
+    if "cold" in args.sections:  # first: the child processes need the GPU to themselves
+        try:
+            cold = cold_start(name, args.compile)
+            log(
+                "cold start, patch -> first result: "
+                + ", ".join(
+                    f"{k} {v['patch_to_first_result_s']:.1f} s (patch {v['patch_s']:.1f} s)" for k, v in cold.items()
+                )
+            )
+        except Exception:
+            cold = {"error": traceback.format_exc()}
+            log(cold["error"])
     model = build_model(name, torch.bfloat16)
     vocab = model.config.vocab_size
     res = {"model": name, "weight_bytes": weight_bytes_per_token(model)}
+    if cold is not None:
+        res["cold_start"] = cold
 
     if "latency" in args.sections:
         hfpaged.patch(model, max_num_seqs=args.max_num_seqs, compile=args.compile)
@@ -351,7 +422,7 @@ def bench_model(name, args, bandwidth):
             log(res["batch1_error"])
 
     for kind in args.workloads:
-        prompts, out_lens = workload(kind, args.requests, vocab)
+        prompts, out_lens = workload(kind, args.requests or WORKLOAD_REQUESTS[kind], vocab)
         w = res.setdefault(
             kind, {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(out_lens)}
         )
@@ -484,7 +555,7 @@ def table(results, bandwidth):
     header = f"{'model':14} {'load':5} {'stock tok/s':>12} {'gen_batch tok/s':>16} {'hfpaged tok/s':>14} {'x stock':>8} {'x gen_b':>8} {'KV use':>7}"
     lines.append(header)
     for r in results:
-        for kind in ("nano", "chat"):
+        for kind in WORKLOADS:
             w = r.get(kind)
             if not w:
                 continue
@@ -502,6 +573,12 @@ def table(results, bandwidth):
                 f"{r['model']:14} {kind:5} {f('stock'):>12} {f('generate_batch'):>16} {f('hfpaged'):>14} "
                 f"{x('speedup_vs_stock'):>8} {x('speedup_vs_generate_batch'):>8} "
                 f"{(f'{usage:.1%}' if usage else '-'):>7}"
+            )
+        cold = r.get("cold_start", {})
+        if "cold" in cold:
+            lines.append(
+                f"{r['model']:14} cold start, patch -> first result: {cold['cold']['patch_to_first_result_s']:.1f} s "
+                f"with empty caches, {cold['warm']['patch_to_first_result_s']:.1f} s with warm caches"
             )
         if "batch1" in r:
             b = r["batch1"]
@@ -541,7 +618,7 @@ def plot(results, path):
         return
     labels, series = [], {"stock": [], "generate_batch": [], "hfpaged": []}
     for r in results:
-        for kind in ("nano", "chat"):
+        for kind in WORKLOADS:
             if kind in r:
                 labels.append(f"{r['model']}\n{kind}")
                 for key in series:
@@ -566,14 +643,15 @@ def plot(results, path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.2-1b"], choices=list(MODELS))
-    parser.add_argument("--workloads", nargs="+", default=["nano", "chat"], choices=["nano", "chat"])
+    parser.add_argument("--workloads", nargs="+", default=["nano", "chat"], choices=list(WORKLOADS))
     parser.add_argument(
         "--sections",
         nargs="+",
         default=["latency", "generate_batch", "stock"],
-        choices=["latency", "generate_batch", "stock", "prefix", "parallel", "parity"],
+        choices=["latency", "generate_batch", "stock", "prefix", "parallel", "parity", "cold"],
     )
-    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--requests", type=int, help="requests per workload (default: 256, churn 1000, long 32)")
+    parser.add_argument("--cold-start-child", metavar="MODEL", help=argparse.SUPPRESS)
     parser.add_argument("--gb-requests", type=int, default=256, help="requests given to generate_batch (0: skip)")
     parser.add_argument("--stock-requests", type=int, default=64, help="requests given to stock generate (0: skip)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -584,6 +662,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmark.py needs a CUDA GPU")
+    if args.cold_start_child:
+        cold_start_child(args.cold_start_child, args.compile)
+        return
     os.makedirs(args.out, exist_ok=True)
     import transformers
 
