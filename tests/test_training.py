@@ -156,3 +156,22 @@ def test_sleep_when_idle_frees_the_pool_after_every_call():
     events = list(model.stream_many(prompts, max_new_tokens=NEW, do_sample=False))
     assert [t for e in events if e.index == 0 for t in e.token_ids] == expected[0]
     assert hfpaged.stats(model)["asleep"]
+
+
+def test_an_engine_on_the_peft_wrapper_sees_the_same_weights_as_generate_many(peft_model):
+    """Engine(peft_model) checks the weights through the wrapper, generate_many through the inner model: the
+    same tree, so alternating them rewires nothing (graphs, prefix cache kept) and remembers no cycle."""
+    prompts = random_prompts([13], seed=3)
+    expected = greedy(peft_model, prompts)
+    runner = hfpaged.Engine(peft_model).runner
+    dropped = []
+    runner.drop_graphs = lambda: dropped.append(1)
+    for _ in range(2):
+        engine = hfpaged.Engine(peft_model)
+        engine.add_request(prompts[0], max_new_tokens=NEW, do_sample=False)
+        while engine.has_unfinished():
+            engine.step()
+        assert greedy(peft_model, prompts) == expected
+    assert dropped == []
+    state = peft_model.get_base_model()._hfpaged
+    assert all(module is not peft_model.get_base_model() for module in state.weights.modules)

@@ -33,7 +33,7 @@ from .kv_cache import (
     size_pool,
 )
 from .kv_quant import cache_dtype, check_fp8_device, initial_scales
-from .peft_compat import adapter_layers, adapter_state
+from .peft_compat import adapter_layers, adapter_state, inner_model
 from .swap_space import SwapSpace, swap_blocks
 
 logger = logging.getLogger("hfpaged")
@@ -69,7 +69,8 @@ class WeightsVersion:
 
     def check(self, model: torch.nn.Module) -> tuple[bool, bool]:
         """(changed at all, changed beyond values: new storage or other adapters) since the last check;
-        remembers the new fingerprint."""
+        remembers the new fingerprint. A PEFT wrapper is read through the inner model it was built from."""
+        model = inner_model(model)
         children = self._children(model)
         tree_changed = children != self.children
         if tree_changed:  # a submodule was replaced or added: walk the tree again
