@@ -145,3 +145,24 @@ def test_padded_steps_keep_beams_forks_swaps_and_logprobs():
     assert [r.token_ids for r in plain] == [r.token_ids for r in padded]
     for a, b in zip(plain, padded):
         assert a.sequences[0].logprobs == pytest.approx(b.sequences[0].logprobs, abs=1e-5)
+
+
+def test_mixed_graphs_out_of_memory_keeps_the_decode_graphs(monkeypatch):
+    """Capturing the mixed-step graphs runs out of memory: those steps run eagerly, decode steps still replay."""
+    model = make_model("llama", seed=6)
+    prompts = random_prompts([5, 14, 9], seed=22)
+    expected = reference_generate(model, prompts, max_new_tokens=6, do_sample=False)
+    hfpaged.patch(model, num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    runner = model._hfpaged.engine.runner
+    runner.use_graphs = True
+
+    def capture(graphs, forward):
+        if graphs.mixed:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        graphs.replay = lambda bucket, num_sampled: forward(graphs._views(bucket))[:num_sampled]
+
+    monkeypatch.setattr(StepGraphs, "capture", capture)
+    results = model.generate_many(prompts, max_new_tokens=6, do_sample=False)
+    assert [r.token_ids for r in results] == expected
+    assert runner.mixed_graphs is None and not runner.use_mixed_graphs and runner.use_graphs
+    assert runner.graphs is not None and runner.num_graph_steps > 0 and runner.num_eager_steps > 0

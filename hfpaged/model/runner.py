@@ -58,6 +58,7 @@ class ModelRunner:
         self.previous: StepResult | None = None  # the last step launched
         self.graphs: StepGraphs | None = None  # decode-only steps, by batch bucket
         self.mixed_graphs: StepGraphs | None = None  # steps with prefill tokens, by token bucket
+        self.use_mixed_graphs = True  # off once their capture ran out of memory
         self._compiled = None
         self._warmed = False
         self.num_graph_steps = 0
@@ -238,7 +239,7 @@ class ModelRunner:
 
     def capture_mixed_graphs(self) -> None:
         """Capture the CUDA graphs of steps with prefill tokens now (otherwise done at the first such step)."""
-        if self.use_graphs and self.mixed_graphs is None:
+        if self.use_graphs and self.use_mixed_graphs and self.mixed_graphs is None:
             graphs = StepGraphs(
                 self.device,
                 self.config.max_num_seqs,
@@ -254,6 +255,10 @@ class ModelRunner:
         try:
             graphs.capture(forward)
         except RuntimeError as error:  # e.g. a layer that synchronizes (some quantized matmuls)
+            if graphs.mixed and isinstance(error, torch.OutOfMemoryError):  # the decode graphs may well fit
+                logger.warning("hfpaged: the mixed-step CUDA graphs do not fit (%s); those steps run eagerly", error)
+                self.use_mixed_graphs = False
+                return False
             logger.warning("hfpaged: CUDA graph capture failed (%s); steps run eagerly", error)
             self.use_graphs = False
             self.graphs = self.mixed_graphs = None
