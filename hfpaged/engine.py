@@ -186,15 +186,21 @@ class EngineCore:
     def check_weights(self, model: PreTrainedModel) -> None:
         """Drop what the old weights computed if they changed since the last call: cached prefix blocks, and
         (parameters in new storage, other PEFT adapters) the CUDA graphs and compiled code that baked them in.
-        Calibrated fp8 scales are computed again at the next step when nothing runs."""
-        changed, rewired = self.state.weights.check(model)
+        Calibrated fp8 scales are computed again at the first step that starts with nothing running (the running
+        requests' blocks hold K/V quantized with the old scales)."""
+        state = self.state
+        changed, rewired = state.weights.check(model)
         if changed:
             with self.lock:
                 self.kv.reset_prefix_cache()
-                if self.state.kv_scale_source == "calibration" and not self.has_unfinished():
-                    self.state.calibration_pending = True  # fp8: new weights, new K/V ranges; no block holds old KV
+                if state.kv_scale_source == "calibration":
+                    state.recalibrate_when_idle = True
                 if rewired:
                     self.runner.drop_graphs()
+        if state.recalibrate_when_idle:
+            with self.lock:
+                if not self.has_unfinished():  # fp8: new weights, new K/V ranges; no block holds old KV
+                    state.calibration_pending, state.recalibrate_when_idle = True, False
 
 
 def is_prompt_finished(root: Request) -> bool:

@@ -141,6 +141,31 @@ def test_sleep_keeps_scales_and_new_weights_recalibrate():
     assert torch.allclose(new[0], 3.0 * scales[0][0]) and torch.equal(new[1], scales[0][1])
 
 
+def test_weights_changed_while_requests_run_recalibrate_once_nothing_runs():
+    model = make_model("llama")
+    prompts = random_prompts([20, 7], seed=9)
+    hfpaged.patch(model, num_blocks=64, kv_cache_dtype="fp8")
+    state = model._hfpaged
+    model.generate_many(prompts, max_new_tokens=2, do_sample=False)
+    scales = [s.clone() for s in state.kv_scales]
+    engine = hfpaged.Engine(model)
+    engine.add_request(prompts[0], max_new_tokens=40, do_sample=False)
+    engine.step()
+    with torch.no_grad():
+        for module in attention_modules(model):
+            module.k_proj.weight.mul_(3.0)
+    engine.add_request(prompts[1], max_new_tokens=2, do_sample=False)  # sees the change while one runs
+    assert state.recalibrate_when_idle and not state.calibration_pending
+    while engine.has_unfinished():
+        engine.step()
+    assert all(torch.equal(a, b) for a, b in zip(scales, state.kv_scales))  # kept while old K/V was in use
+    model.generate_many(prompts, max_new_tokens=2, do_sample=False)  # idle now: calibrated on this call
+    assert not state.recalibrate_when_idle and not state.calibration_pending
+    assert torch.allclose(state.kv_scales[0][0], 3.0 * scales[0][0]) and torch.equal(
+        state.kv_scales[0][1], scales[0][1]
+    )
+
+
 # ---- GPU: Triton kernels, CUDA graphs, compile, memory-sized pool ---------------------------------------
 
 

@@ -138,3 +138,31 @@ def test_outputs_never_change_with_cache_hits_within_and_across_calls(arch):
     off = model.generate_many(prompts, max_new_tokens=10, do_sample=False)
     assert [r.token_ids for r in off] == expected
     assert hfpaged.stats(model)["prefix_cache_hits"] == 0
+
+
+def test_requests_holding_kv_at_a_reset_never_publish_their_blocks():
+    """After reset_prefix_cache (the weights changed), a request that holds K/V computed before it (on the GPU,
+    swapped out, or inherited by a fork or a beam) publishes no block: later blocks attend over the old K/V."""
+    kv = KVManager(32, 4, enable_prefix_caching=True, num_cpu_blocks=8)
+    running, swapped, fresh = req("running", range(3, 15)), req("swapped", range(30, 42)), req("fresh", range(60, 72))
+    for r in (running, swapped):
+        assert kv.allocate(r, 12, prefix_hits=[])
+        r.num_computed_tokens = 12
+    assert kv.swap_out(swapped) is not None
+    kv.reset_prefix_cache()
+    child, beam = req("child", range(3, 15)), req("beam", range(80, 92))
+    kv.fork(child, running)
+    assert kv.allocate(beam, 12, prefix_hits=[])
+    kv.share([beam], [running])
+    kv.swap_in(swapped, 12)
+    assert kv.allocate(fresh, 12, prefix_hits=[])
+    for r in (running, swapped, child, beam, fresh):
+        r.num_computed_tokens = 12
+        kv.register_computed(r)
+    assert kv.lookup_prefix(req("again", range(3, 16))) == []  # running's (and its fork's, beam's) blocks
+    assert kv.lookup_prefix(req("again2", range(30, 43))) == []  # swapped out across the reset
+    assert len(kv.lookup_prefix(req("again3", range(60, 73)))) == 3  # computed after the reset: published
+    kv.free(running, keep_hashes=True)  # preempted to be recomputed: with the new weights, publishable again
+    assert kv.allocate(running, 12, prefix_hits=[])
+    kv.register_computed(running)
+    assert len(kv.lookup_prefix(req("again4", range(3, 16)))) == 3

@@ -193,6 +193,24 @@ def test_a_replaced_parameter_or_submodule_is_seen_by_the_next_call(model):
     assert hfpaged.stats(model)["num_free_blocks"] == hfpaged.stats(model)["num_blocks"]
 
 
+def test_weights_changed_while_a_request_runs_never_reach_later_requests_through_the_prefix_cache(model):
+    """The running request keeps the K/V it computed with the old weights (documented); when it finishes its
+    blocks must not be published, or the next call with the same prompt would reuse old-weight K/V."""
+    prompts = random_prompts([20, 7], seed=9)
+    assert exact(model, prompts)
+    engine = hfpaged.Engine(model)
+    engine.add_request(prompts[0], max_new_tokens=30, do_sample=False)
+    engine.step()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.mul_(3.0)
+    engine.add_request(prompts[1], max_new_tokens=2, do_sample=False)  # the change is noticed while one runs
+    while engine.has_unfinished():
+        engine.step()
+    assert exact(model, prompts)
+    assert all_free(model)
+
+
 def test_reset_prefix_cache_forgets_every_cached_block(model):
     prompts = random_prompts([17, 17], seed=9)
     model.generate_many(prompts, max_new_tokens=4, do_sample=False)

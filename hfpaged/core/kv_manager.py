@@ -45,6 +45,9 @@ class KVManager:
         self._cpu_blocks: dict[str, list[int]] = {}  # request id -> CPU blocks while swapped out
         self._hashes: dict[str, list[int]] = {}  # request id -> chained hashes of its full blocks
         self._num_registered: dict[str, int] = {}  # leading blocks published to the prefix cache
+        # requests whose KV (GPU or swapped out) was computed before the last reset_prefix_cache (old weights):
+        # none of their blocks is ever published, the later ones attend over the old K/V too
+        self._stale: set[str] = set()
         self._changed_from: dict[str, int] = {}  # first table index changed since take_table_update
         self._copies: list[tuple[int, int]] = []  # copy-on-write (source, target) for the next step
 
@@ -139,6 +142,7 @@ class KVManager:
             self.cpu_pool.free(cpu)
         self._num_registered.pop(rid, None)
         self._changed_from.pop(rid, None)
+        self._stale.discard(rid)  # gone, or recomputed from scratch with the current weights
         if not keep_hashes:
             self._hashes.pop(rid, None)
 
@@ -152,6 +156,8 @@ class KVManager:
         self._hashes[cid] = list(self._hashes.get(parent.request_id, []))
         self._num_registered[cid] = self._num_registered.get(parent.request_id, 0)
         self._changed_from[cid] = 0
+        if parent.request_id in self._stale:
+            self._stale.add(cid)
 
     def share(self, targets: list[Request], sources: list[Request]) -> None:
         """Each ``targets[j]`` takes over the blocks of ``sources[j]`` (beam search: beam j continues it).
@@ -167,6 +173,7 @@ class KVManager:
             )
             for s in sources
         ]
+        stale = [s.request_id in self._stale for s in sources]
         for blocks, _, _ in taken:
             self.pool.incref(blocks)
         for target, (blocks, hashes, num_registered) in zip(targets, taken):
@@ -176,6 +183,11 @@ class KVManager:
             self._hashes[tid] = hashes
             self._num_registered[tid] = num_registered
             self._changed_from[tid] = 0
+        for target, is_stale in zip(targets, stale):
+            if is_stale:
+                self._stale.add(target.request_id)
+            else:
+                self._stale.discard(target.request_id)
 
     def register_computed(self, request: Request) -> None:
         """Publish the request's blocks that became full and computed since the last call."""
@@ -183,7 +195,7 @@ class KVManager:
             return
         rid = request.request_id
         blocks = self._blocks.get(rid)
-        if not blocks:
+        if not blocks or rid in self._stale:
             return
         full = min(request.num_computed_tokens, len(request.all_token_ids)) // self.block_size
         start = self._num_registered.get(rid, 0)
@@ -194,8 +206,11 @@ class KVManager:
         self._num_registered[rid] = full
 
     def reset_prefix_cache(self) -> None:
-        """Forget every published block (their contents are stale, e.g. the weights changed)."""
+        """Forget every published block (their contents are stale, e.g. the weights changed); the requests that
+        hold K/V now never publish any block."""
         self.pool.reset_prefix_cache()
+        self._stale.update(self._blocks)
+        self._stale.update(self._cpu_blocks)
         self._hashes.clear()
         for rid in self._num_registered:
             self._num_registered[rid] = 0

@@ -108,6 +108,7 @@ class PatchState:
     kv_scales: list[torch.Tensor] = field(default_factory=list)  # fp8: per layer [2] float32 (k_scale, v_scale)
     kv_scale_source: str | None = None  # fp8: "user", "checkpoint" or "calibration"
     calibration_pending: bool = False  # the next eager forward that stores K/V sets the scales first
+    recalibrate_when_idle: bool = False  # weights changed while requests ran: calibrate once nothing runs
 
     def block_bytes(self) -> dict[torch.device, int]:
         """Bytes one block takes on each device."""
