@@ -308,6 +308,11 @@ class Engine(Client):
                     raise ValueError(
                         "streamer= is for generate_many with one prompt; read Engine.step() outputs instead"
                     )
+                if request_id is not None and (not isinstance(request_id, str) or "." in request_id):
+                    raise ValueError(
+                        f"request_id must be a string without '.', got {request_id!r} (hfpaged names the "
+                        "parallel samples and beams of a prompt '<request_id>.<n>')"
+                    )
                 if request_id is not None and (request_id in self.core.scheduler.requests or request_id in taken):
                     raise ValueError(f"request_id {request_id!r} is already in use")
                 taken.add(request_id)

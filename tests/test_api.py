@@ -262,6 +262,10 @@ def test_engine_add_requests_is_all_or_none(model):
         engine.add_requests(prompts[:2], [greedy] * 2, ["a", "a"])
     with pytest.raises(ValueError, match="one settings dict"):
         engine.add_requests(prompts, [greedy])
+    with pytest.raises(ValueError, match="without '.'"):  # "x.1" is the name of the second sample of "x"
+        engine.add_requests(prompts[:1], [greedy], ["x.1"])
+    with pytest.raises(ValueError, match="without '.'"):
+        engine.add_request(prompts[0], request_id=7, **greedy)
     assert not engine.has_unfinished() and all_free(model)
     ids = engine.add_requests(prompts, [greedy, {**greedy, "max_new_tokens": 2}, greedy], ["a", "b", None])
     assert ids[:2] == ["a", "b"]

@@ -81,6 +81,8 @@ class ModelRunner:
 
     def drop_graphs(self) -> None:
         """Forget captured graphs and compiled code (they baked in the old weights' addresses)."""
+        if self.device.type == "cuda" and (self.graphs is not None or self.mixed_graphs is not None):
+            torch.cuda.synchronize(self.device)  # a replay may still run: its pool must not be reused under it
         self.graphs = None
         self.mixed_graphs = None
         self._compiled = None
