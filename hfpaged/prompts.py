@@ -252,10 +252,22 @@ class PromptMaker:
         kwargs: dict[str, Any],
         tokenizer: Any,
         request_id: str | None = None,
+        resolved_cache: dict | None = None,
     ) -> Request:
-        """The request of one prompt submitted on its own (``Engine.add_request``)."""
+        """The request of one prompt submitted on its own (``Engine.add_request``). ``resolved_cache``: merged
+        configs of the same call by their settings (``Engine.add_requests``: prompts sharing settings, as the
+        prompts of one ``generate_many`` call, share one)."""
         generate_kwargs, options = split_call_options(kwargs)
-        resolved = resolve_generation_config(self.model, generation_config, generate_kwargs)
+        try:  # settings of plain values: a key; others (processor lists, dicts) are resolved each time
+            key = (id(generation_config), tuple(sorted(generate_kwargs.items())))
+            hash(key)
+        except TypeError:
+            key = None
+        resolved = resolved_cache.get(key) if resolved_cache is not None and key is not None else None
+        if resolved is None:
+            resolved = resolve_generation_config(self.model, generation_config, generate_kwargs)
+            if resolved_cache is not None and key is not None:
+                resolved_cache[key] = resolved
         request = self.make(prompt, resolved, CallOptions(**options), tokenizer, index=None, request_id=request_id)
         _warn_about_lengths(self.model, request, resolved)
         return request

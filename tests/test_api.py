@@ -277,6 +277,26 @@ def test_engine_add_requests_is_all_or_none(model):
     assert all_free(model)
 
 
+def test_engine_add_requests_sharing_settings_sample_like_add_request(model):
+    """Prompts of one add_requests call with the same settings share one merged config; seeds stay their own."""
+    prompt = random_prompts([8], seed=16)[0]
+
+    def run(add):
+        engine = hfpaged.Engine(model)
+        ids = add(engine)
+        gained = {i: [] for i in ids}
+        while engine.has_unfinished():
+            for out in engine.step():
+                gained[out.request_id].extend(out.new_token_ids)
+        return [gained[i] for i in ids]
+
+    settings = [dict(max_new_tokens=6, do_sample=True, top_k=8, seed=seed) for seed in (1, 2, 1)]
+    together = run(lambda e: e.add_requests([prompt] * 3, settings))
+    alone = run(lambda e: [e.add_request(prompt, **s) for s in settings])
+    assert together == alone and together[0] == together[2] != together[1]
+    assert all_free(model)
+
+
 def test_sampling_runs_respects_top_k_and_is_reproducible_with_a_seed(model):
     prompts = random_prompts([3, 10, 6], seed=14)
     a = model.generate_many(prompts, max_new_tokens=12, do_sample=True, top_k=3, temperature=0.8, seed=7)
