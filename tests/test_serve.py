@@ -757,6 +757,22 @@ def test_generate_many_shares_the_engine_with_a_running_server(server, client, m
     assert len({text for text, _ in streamed.values()}) > 1
 
 
+def test_a_tokenizer_that_cannot_be_pickled_is_served_from_this_process(model, caplog):
+    tok = make_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    tok.callback = lambda: None  # pickle refuses lambdas: the front-end process could not get this tokenizer
+    with (
+        caplog.at_level("WARNING", logger="hfpaged.serve"),
+        Server(model, tok, port=0, served_model_name=MODEL_NAME) as srv,
+    ):
+        assert srv.frontend is None and "cannot be pickled" in caplog.text
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        done = client.completions.create(model=MODEL_NAME, prompt=TEXTS[0], max_tokens=5, temperature=0)
+        assert done.usage.completion_tokens == 5
+    stats = hfpaged.stats(model)
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
 def test_a_front_end_process_that_dies_frees_what_it_left(one_seq_model, tokenizer):
     srv = Server(one_seq_model, tokenizer, port=0, served_model_name=MODEL_NAME).start()
     assert srv.frontend.pid != os.getpid() and srv.frontend.process.poll() is None

@@ -9,6 +9,7 @@ app under uvicorn), sharing one GIL.
 
 from __future__ import annotations
 
+import logging
 import pickle
 import signal
 import socket
@@ -17,6 +18,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger("hfpaged.serve")
 
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0  # seconds in-flight requests get to finish when the server stops
 DEFAULT_START_TIMEOUT = 120.0  # seconds the front-end process may take to start (its imports, mostly)
@@ -82,6 +85,18 @@ class Server:
         self.thread: threading.Thread | None = None  # the thread serving in this process (engine, or uvicorn)
         self.frontend = None
         self.uvicorn = None
+        self.pickled_tokenizer = None
+        if frontend_process:
+            try:  # the front-end process gets the tokenizer pickled
+                self.pickled_tokenizer = pickle.dumps(tokenizer)
+            except Exception as error:  # e.g. a tokenizer holding a lambda or an open handle
+                logger.warning(
+                    "hfpaged serve: the tokenizer cannot be pickled for the front-end process (%s: %s); serving "
+                    "HTTP from this process instead (as --single-process)",
+                    type(error).__name__,
+                    error,
+                )
+                frontend_process = False
         if frontend_process:
             from .frontend_process import FrontendProcess
 
@@ -143,7 +158,7 @@ class Server:
 
         engine_loop = self.serving.engine_loop
         config = FrontendConfig(
-            tokenizer=pickle.dumps(self.serving.tokenizer),
+            tokenizer=self.pickled_tokenizer,
             sys_path=list(sys.path),
             model_name=self.serving.model_name,
             limits=self.serving.limits,
