@@ -12,6 +12,7 @@ import os
 import pickle
 import re
 import signal
+import sys
 import threading
 import time
 
@@ -757,10 +758,17 @@ def test_generate_many_shares_the_engine_with_a_running_server(server, client, m
     assert len({text for text, _ in streamed.values()}) > 1
 
 
-def test_a_tokenizer_that_cannot_be_pickled_is_served_from_this_process(model, caplog):
+@pytest.mark.parametrize("why", ["lambda", "__main__"])
+def test_a_tokenizer_that_cannot_be_pickled_is_served_from_this_process(model, caplog, monkeypatch, why):
     tok = make_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
-    tok.callback = lambda: None  # pickle refuses lambdas: the front-end process could not get this tokenizer
+    if why == "lambda":
+        tok.callback = lambda: None  # pickle refuses lambdas: the front-end process could not get this tokenizer
+    else:  # a class of the user's script pickles here, but the child process has another __main__
+        main_class = type("ScriptTokenizer", (type(tok),), {"__module__": "__main__"})
+        monkeypatch.setattr(sys.modules["__main__"], "ScriptTokenizer", main_class, raising=False)
+        tok.__class__ = main_class
+        assert b"__main__" in pickle.dumps(tok)
     with (
         caplog.at_level("WARNING", logger="hfpaged.serve"),
         Server(model, tok, port=0, served_model_name=MODEL_NAME) as srv,

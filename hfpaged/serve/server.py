@@ -89,6 +89,8 @@ class Server:
         if frontend_process:
             try:  # the front-end process gets the tokenizer pickled
                 self.pickled_tokenizer = pickle.dumps(tokenizer)
+                if b"__main__" in self.pickled_tokenizer:  # the child runs another __main__: it could not load it
+                    raise pickle.PicklingError("it refers to classes or functions defined in the __main__ script")
             except Exception as error:  # e.g. a tokenizer holding a lambda or an open handle
                 logger.warning(
                     "hfpaged serve: the tokenizer cannot be pickled for the front-end process (%s: %s); serving "
@@ -96,6 +98,7 @@ class Server:
                     type(error).__name__,
                     error,
                 )
+                self.pickled_tokenizer = None
                 frontend_process = False
         if frontend_process:
             from .frontend_process import FrontendProcess
