@@ -251,22 +251,21 @@ class PromptMaker:
         generation_config: GenerationConfig | None,
         kwargs: dict[str, Any],
         tokenizer: Any,
-        request_id: str | None = None,
-        resolved_cache: dict | None = None,
+        request_id: str | None,
+        resolved_cache: dict,
     ) -> Request:
-        """The request of one prompt submitted on its own (``Engine.add_request``). ``resolved_cache``: merged
-        configs of the same call by their settings (``Engine.add_requests``: prompts sharing settings, as the
-        prompts of one ``generate_many`` call, share one)."""
+        """The request of one prompt of an ``Engine.add_requests`` call. ``resolved_cache``: that call's merged
+        configs by their settings (prompts sharing settings share one, as the prompts of a ``generate_many``
+        call do)."""
         generate_kwargs, options = split_call_options(kwargs)
         try:  # settings of plain values: a key; others (processor lists, dicts) are resolved each time
             key = (id(generation_config), tuple(sorted(generate_kwargs.items())))
-            hash(key)
+            resolved = resolved_cache.get(key)
         except TypeError:
-            key = None
-        resolved = resolved_cache.get(key) if resolved_cache is not None and key is not None else None
+            key = resolved = None
         if resolved is None:
             resolved = resolve_generation_config(self.model, generation_config, generate_kwargs)
-            if resolved_cache is not None and key is not None:
+            if key is not None:
                 resolved_cache[key] = resolved
         request = self.make(prompt, resolved, CallOptions(**options), tokenizer, index=None, request_id=request_id)
         _warn_about_lengths(self.model, request, resolved)

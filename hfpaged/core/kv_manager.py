@@ -170,24 +170,20 @@ class KVManager:
                 list(self.block_ids(s)),
                 list(self._hashes.get(s.request_id, [])),
                 self._num_registered.get(s.request_id, 0),
+                s.request_id in self._stale,
             )
             for s in sources
         ]
-        stale = [s.request_id in self._stale for s in sources]
-        for blocks, _, _ in taken:
+        for blocks, _, _, _ in taken:
             self.pool.incref(blocks)
-        for target, (blocks, hashes, num_registered) in zip(targets, taken):
+        for target, (blocks, hashes, num_registered, stale) in zip(targets, taken):
             tid = target.request_id
             self.pool.free(self._blocks.get(tid, []))
             self._blocks[tid] = blocks
             self._hashes[tid] = hashes
             self._num_registered[tid] = num_registered
             self._changed_from[tid] = 0
-        for target, is_stale in zip(targets, stale):
-            if is_stale:
-                self._stale.add(target.request_id)
-            else:
-                self._stale.discard(target.request_id)
+            (self._stale.add if stale else self._stale.discard)(tid)
 
     def register_computed(self, request: Request) -> None:
         """Publish the request's blocks that became full and computed since the last call."""

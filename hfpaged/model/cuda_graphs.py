@@ -90,7 +90,7 @@ class StepGraphs:
             bucket_tokens, bucket_reqs = self.shape(bucket)
             if bucket_tokens < num_tokens or bucket_reqs < num_reqs:
                 continue
-            if bucket_tokens > num_tokens and bucket_reqs == num_reqs and self.mixed:
+            if bucket_tokens > num_tokens and bucket_reqs == num_reqs:
                 continue  # the padding tokens would have no sequence
             return bucket
         return None

@@ -232,26 +232,26 @@ class ModelRunner:
                 meta.cu_seqlens_q,
             )
 
-    def capture_graphs(self) -> None:
-        """Capture the decode CUDA graphs now (otherwise done at the first decode step)."""
-        if self.use_graphs and self.graphs is None:
-            graphs = StepGraphs(self.device, self.config.max_num_seqs, self.graph_width, self.block_size)
-            if self._capture(graphs, self._graph_forward):
-                self.graphs = graphs
-
-    def capture_mixed_graphs(self) -> None:
-        """Capture the CUDA graphs of steps with prefill tokens now (otherwise done at the first such step)."""
-        if self.use_graphs and self.use_mixed_graphs and self.mixed_graphs is None:
+    def capture_graphs(self, mixed: bool = False) -> StepGraphs | None:
+        """The decode CUDA graphs (``mixed``: those of steps with prefill tokens), captured now if they are not
+        yet (otherwise done at the first such step); None where graphs are off."""
+        captured = self.mixed_graphs if mixed else self.graphs
+        if captured is None and self.use_graphs and (self.use_mixed_graphs or not mixed):
             graphs = StepGraphs(
                 self.device,
                 self.config.max_num_seqs,
                 self.graph_width,
                 self.block_size,
-                mixed=True,
+                mixed=mixed,
                 max_num_tokens=self.config.max_num_batched_tokens,
             )
-            if self._capture(graphs, self.forward):
-                self.mixed_graphs = graphs
+            if self._capture(graphs, self.forward if mixed else self._graph_forward):
+                captured = graphs
+                if mixed:
+                    self.mixed_graphs = graphs
+                else:
+                    self.graphs = graphs
+        return captured
 
     def _capture(self, graphs: StepGraphs, forward) -> bool:
         try:
@@ -273,12 +273,7 @@ class ModelRunner:
             return None, None
         if self.batch.max_blocks(out.scheduled) > self.graph_width:
             return None, None
-        if all(s.num_tokens == 1 and s.samples for s in out.scheduled):
-            self.capture_graphs()
-            graphs = self.graphs
-        else:
-            self.capture_mixed_graphs()
-            graphs = self.mixed_graphs
+        graphs = self.capture_graphs(mixed=not all(s.num_tokens == 1 and s.samples for s in out.scheduled))
         if graphs is None:
             return None, None
         bucket = graphs.bucket_for(sum(s.num_tokens for s in out.scheduled), len(out.scheduled))
