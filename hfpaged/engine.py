@@ -25,6 +25,7 @@ from .core.scheduler import Scheduler
 from .core.scheduler_output import SchedulerOutput
 from .model.attach import PatchState, get_state, reallocate_caches, release_caches
 from .model.runner import ModelRunner
+from .model.tensor_parallel import TensorParallel, requests_fingerprint
 from .outputs import RequestOutput
 from .prompts import PromptMaker
 from .sampling.sampler import StepResult
@@ -208,6 +209,22 @@ def is_prompt_finished(root: Request) -> bool:
     return root.num_forks_pending == 0 and all(m.is_finished for m in root.members)
 
 
+def check_lockstep(tp: TensorParallel, requests: list[Request]) -> None:
+    """Tensor parallel: ValueError unless every rank submits the same requests now (nothing is queued then)."""
+    for request in requests:
+        if request.params.stop.max_time is not None:
+            raise ValueError(
+                "max_time cannot be used with a tensor-parallel model: each rank's clock would stop its "
+                "requests at a different step"
+            )
+    settings = [
+        (p.max_length, p.do_sample, p.seed, p.num_return_sequences, p.num_beams, p.top_logprobs, len(p.stages))
+        for p in (request.params for request in requests)
+    ]
+    fingerprint = requests_fingerprint([request.prompt_token_ids for request in requests], settings)
+    tp.check_same("requests", fingerprint, len(requests))
+
+
 def engine_of(model: PreTrainedModel) -> EngineCore:
     """The model's engine (``patch`` creates it); the model must be patched."""
     return get_state(model).engine
@@ -223,6 +240,8 @@ class Client:
 
     def submit(self, requests: list[Request]) -> None:
         with self.core.lock:
+            if self.core.state.tp is not None:
+                check_lockstep(self.core.state.tp, requests)
             self.core.wake()  # a pool released by hfpaged.sleep comes back with the first request
             for request in requests:
                 self.core.add(request, self)

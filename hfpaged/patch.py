@@ -131,6 +131,7 @@ def stats(model: PreTrainedModel) -> dict[str, Any]:
             "num_cpu_blocks": state.num_cpu_blocks,
             "num_free_cpu_blocks": kv.cpu_pool.num_free_blocks if kv.cpu_pool is not None else 0,
             "asleep": state.asleep,
+            "tensor_parallel_size": state.tp.world_size if state.tp is not None else 1,
             "num_running_requests": len(core.scheduler.running),
             "num_waiting_requests": len(core.scheduler.waiting) + len(core.scheduler.swapped),
             **state.counters,

@@ -286,7 +286,9 @@ class PromptMaker:
         tokenizer = tokenizer if tokenizer is not None else state.tokenizer
         token_ids = to_token_ids(prompt, index, tokenizer)
         self._validate_tokens(token_ids, index)
-        seed = options.seed if options.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        seed = options.seed
+        if seed is None:  # tensor parallel: every rank draws the same seed
+            seed = state.tp.draw_seed() if state.tp is not None else int(torch.randint(0, 2**62, (1,)).item())
         params = make_request_params(
             self.model,
             resolved,

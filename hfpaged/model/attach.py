@@ -35,6 +35,7 @@ from .kv_cache import (
 from .kv_quant import cache_dtype, check_fp8_device, initial_scales
 from .peft_compat import adapter_layers, adapter_state, inner_model
 from .swap_space import SwapSpace, swap_blocks
+from .tensor_parallel import TensorParallel, find_tensor_parallel
 
 logger = logging.getLogger("hfpaged")
 
@@ -109,6 +110,7 @@ class PatchState:
     kv_scale_source: str | None = None  # fp8: "user", "checkpoint" or "calibration"
     calibration_pending: bool = False  # the next eager forward that stores K/V sets the scales first
     recalibrate_when_idle: bool = False  # weights changed while requests ran: calibrate once nothing runs
+    tp: TensorParallel | None = None  # the tensor-parallel group transformers sharded the model over
 
     def block_bytes(self) -> dict[torch.device, int]:
         """Bytes one block takes on each device."""
@@ -174,6 +176,7 @@ def _wrap_forward(model: torch.nn.Module, lock: threading.RLock) -> Callable | N
 def attach(model: PreTrainedModel, config: EngineConfig, tokenizer: Any = None) -> PatchState:
     """Give every attention layer of ``model`` a paged KV cache in one shared pool; returns the state."""
     check_model(model)
+    tp = find_tensor_parallel(model)
     input_device = model.get_input_embeddings().weight.device
     attn_configs = collect_configs(model)
     lock = threading.RLock()
@@ -184,12 +187,16 @@ def attach(model: PreTrainedModel, config: EngineConfig, tokenizer: Any = None) 
         for device in {layer.device for layer in layers}:
             check_fp8_device(device, kv_dtype, config.kv_cache_dtype)
     num_blocks = size_pool(model, config, layers, attn_configs, input_device, model_len, lock)
+    if tp is not None:
+        num_blocks = tp.min_int(num_blocks)  # a block id names the same slots on every rank
     kv_caches = allocate_caches(layers, num_blocks, config.block_size, kv_dtype)
     swap = None
     if config.preemption_mode == "swap":
         num_cpu_blocks = swap_blocks(
             config.swap_space, num_blocks, sum(block_bytes(layers, config.block_size, kv_dtype).values())
         )
+        if tp is not None:
+            num_cpu_blocks = tp.min_int(num_cpu_blocks)
         swap = SwapSpace(num_cpu_blocks) if num_cpu_blocks > 0 else None
     state = PatchState(
         config=config,
@@ -205,6 +212,7 @@ def attach(model: PreTrainedModel, config: EngineConfig, tokenizer: Any = None) 
         vocab_size=model.get_input_embeddings().weight.shape[0],
         max_model_len=model_len,
         kv_cache_dtype=kv_dtype,
+        tp=tp,
     )
     if kv_dtype is not None:
         state.kv_scales, state.kv_scale_source = initial_scales(layers, config)

@@ -1,0 +1,150 @@
+"""Tensor parallel vs one GPU: chat-shape throughput and batch-1 latency, hfpaged next to generate_batch.
+
+Run once per tensor-parallel size, under torchrun (random weights in a real shape, bf16; rank 0 saves them
+once to ``~/.cache/hfpaged/tp/``, every rank loads them: ``tp_plan="auto"`` when N > 1, one GPU when N = 1):
+
+    torchrun --nproc-per-node 1 examples/bench_tp.py --random-shape llama-3.1-8b --out tp_out
+    torchrun --nproc-per-node 2 examples/bench_tp.py --random-shape llama-3.1-8b --out tp_out
+    python examples/bench_tp.py --compare tp_out/tp1.json tp_out/tp2.json
+
+Each run writes ``tp<N>.json`` (rank 0): hfpaged tok/s on the chat workload (256 requests, prompts of 32-512
+tokens, 128 new each), the same requests through transformers' ``generate_batch`` on the same (sharded) model,
+and batch-1 decode ms/token. ``--compare`` prints TP=N against TP=1: the targets are batch-1 <= 0.6x of TP=1's
+ms/token and throughput >= 1.6x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark import MODELS, batch1_latency, build_model, run_generate_batch, run_hfpaged, workload
+
+
+def log(rank: int, *args) -> None:
+    if rank == 0:
+        print(*args, flush=True)
+
+
+def checkpoint(name: str, rank: int) -> str:
+    path = os.path.join(os.path.expanduser("~/.cache/hfpaged/tp"), f"{name}-bfloat16")
+    if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
+        t0 = time.perf_counter()
+        model = build_model(name, torch.bfloat16)
+        model.save_pretrained(path)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+        log(rank, f"saved random {name} weights to {path} in {time.perf_counter() - t0:.0f} s")
+    dist.barrier()
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--random-shape", default="llama-3.1-8b", choices=sorted(MODELS))
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--gb-requests", type=int, default=256, help="requests given to generate_batch (0: skip)")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--out", default="tp_out")
+    parser.add_argument("--compare", nargs=2, metavar=("TP1_JSON", "TPN_JSON"))
+    args = parser.parse_args()
+    if args.compare:
+        compare(*args.compare)
+        return
+    from transformers import AutoModelForCausalLM
+
+    import hfpaged
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = checkpoint(args.random_shape, rank)
+    t0 = time.perf_counter()
+    if world > 1:
+        model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.bfloat16)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda")
+    model.eval()
+    log(rank, f"loaded {args.random_shape} on {world} GPU(s) in {time.perf_counter() - t0:.0f} s")
+    prompts, out_lens = workload("chat", args.requests, model.config.vocab_size)
+    result = {"shape": args.random_shape, "tensor_parallel_size": world, "requests": len(prompts)}
+
+    if args.gb_requests:  # the peer, on the same (sharded) model, before hfpaged patches it
+        n = min(args.gb_requests, len(prompts))
+        try:
+            run_generate_batch(model, prompts[:4], 4)
+            tokens, dt = run_generate_batch(model, prompts[:n], out_lens[0])
+            result["generate_batch"] = {"requests": n, "tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt}
+            log(rank, f"generate_batch: {tokens / dt:,.0f} tok/s ({n} requests)")
+        except Exception:
+            result["generate_batch_error"] = traceback.format_exc()
+            log(rank, result["generate_batch_error"])
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    hfpaged.patch(model, max_num_seqs=args.max_num_seqs)
+    result["num_blocks"] = hfpaged.stats(model)["num_blocks"]
+    run_hfpaged(model, prompts[:32], [8] * 32)  # warm-up: graph capture, Triton compile
+    tokens, dt, usage, engine = run_hfpaged(model, prompts, out_lens, track_usage=True)
+    result["hfpaged"] = {
+        "tokens": tokens,
+        "seconds": dt,
+        "tokens_per_s": tokens / dt,
+        "kv_slot_usage": usage,
+        "graph_steps": engine.runner.num_graph_steps,
+        "eager_steps": engine.runner.num_eager_steps,
+    }
+    log(
+        rank,
+        f"hfpaged: {tokens / dt:,.0f} tok/s, graph/eager steps {engine.runner.num_graph_steps}/{engine.runner.num_eager_steps}",
+    )
+    if "generate_batch" in result:
+        result["speedup_vs_generate_batch"] = (
+            result["hfpaged"]["tokens_per_s"] / result["generate_batch"]["tokens_per_s"]
+        )
+    result["batch1_ms_per_token"] = batch1_latency(model)
+    log(rank, f"batch-1 decode: {result['batch1_ms_per_token']:.3f} ms/token")
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"tp{world}.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def compare(base_path: str, other_path: str) -> None:
+    with open(base_path) as f:
+        base = json.load(f)
+    with open(other_path) as f:
+        other = json.load(f)
+    n = other["tensor_parallel_size"]
+    throughput = other["hfpaged"]["tokens_per_s"] / base["hfpaged"]["tokens_per_s"]
+    latency = other["batch1_ms_per_token"] / base["batch1_ms_per_token"]
+    print(f"{other['shape']}: TP={n} vs TP=1")
+    print(
+        f"  chat throughput: {other['hfpaged']['tokens_per_s']:,.0f} vs {base['hfpaged']['tokens_per_s']:,.0f} tok/s = {throughput:.2f}x (target >= 1.6x)"
+    )
+    print(
+        f"  batch-1 decode:  {other['batch1_ms_per_token']:.3f} vs {base['batch1_ms_per_token']:.3f} ms/token = {latency:.2f}x (target <= 0.6x)"
+    )
+    for run in (base, other):
+        if "generate_batch" in run:
+            print(
+                f"  TP={run['tensor_parallel_size']}: hfpaged {run['speedup_vs_generate_batch']:.1f}x generate_batch "
+                f"({run['generate_batch']['tokens_per_s']:,.0f} tok/s)"
+            )
+
+
+if __name__ == "__main__":
+    main()

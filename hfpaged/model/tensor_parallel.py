@@ -1,0 +1,110 @@
+"""Tensor parallelism through transformers' own sharding (``from_pretrained(..., tp_plan="auto")`` under torchrun).
+
+transformers shards the projections (DTensor parameters on a 1-D device mesh) and installs the collectives;
+each rank's attention then sees only its own heads, so layer discovery sizes each rank's K/V for its local
+KV heads without any special case. What hfpaged adds is lockstep: every rank runs the same engine over the
+same requests, so every rank must make the same decisions. Three things could make them differ, and are
+settled here once, with collectives on the model's tensor-parallel group:
+- the pool size (free memory differs between GPUs): the smallest over the ranks, so a block id names the
+  same slots on every rank;
+- seeds drawn for unseeded sampling: one generator per model, seeded from rank 0;
+- what the callers submit: each submission's fingerprint is compared across ranks, and a rank that was
+  given other prompts or settings gets an error instead of a silent hang or wrong tokens.
+Everything else the engine decides (schedule, preemption, prefix hits, sampling) is a function of those.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class TensorParallel:
+    """The tensor-parallel group a model was sharded over, and the collectives the engine needs on it."""
+
+    group: dist.ProcessGroup
+    rank: int  # this process's rank inside the group
+    world_size: int
+    device: torch.device  # where the group's collectives take tensors (CUDA for NCCL, the CPU for gloo)
+    seed_generator: torch.Generator  # seeds for unseeded sampling, identical on every rank
+
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's ``value``."""
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        return int(tensor.item())
+
+    def draw_seed(self) -> int:
+        return int(torch.randint(0, 2**62, (1,), generator=self.seed_generator).item())
+
+    def check_same(self, what: str, fingerprint: int, count: int) -> None:
+        """Raise ValueError on every rank unless every rank passed the same ``fingerprint``."""
+        mine = torch.tensor([fingerprint, count], dtype=torch.int64, device=self.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine, group=self.group)
+        values = [tuple(int(v) for v in t.tolist()) for t in gathered]
+        if any(v != values[0] for v in values):
+            detail = ", ".join(f"rank {r}: {n} requests" for r, (_, n) in enumerate(values))
+            raise ValueError(
+                f"tensor parallel: the ranks submitted different {what} ({detail}; fingerprints differ). Every rank "
+                "must make the same calls with the same prompts and settings, in the same order"
+            )
+
+
+def find_tensor_parallel(model: torch.nn.Module) -> TensorParallel | None:
+    """The model's tensor-parallel group if transformers sharded it over more than one rank, else None."""
+    mesh = None
+    for param in model.parameters():
+        mesh = getattr(param, "device_mesh", None)  # DTensor parameters carry their mesh
+        if mesh is not None:
+            break
+    if mesh is None:
+        mesh = getattr(model, "_device_mesh", None)
+    if mesh is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"{type(model).__name__} is sharded over a {mesh.ndim}-D device mesh {tuple(mesh.mesh_dim_names or ())}; "
+            "hfpaged supports tensor parallelism over a 1-D mesh only (tp_plan without other parallel dimensions)"
+        )
+    group = mesh.get_group()
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return None
+    check_heads(model, world_size)
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    )
+    seed = torch.tensor([int(torch.randint(0, 2**62, (1,)).item())], dtype=torch.int64, device=device)
+    dist.broadcast(seed, src=dist.get_global_rank(group, 0), group=group)
+    generator = torch.Generator()
+    generator.manual_seed(int(seed.item()))
+    return TensorParallel(group, dist.get_rank(group), world_size, device, generator)
+
+
+def check_heads(model: torch.nn.Module, world_size: int) -> None:
+    """ValueError naming the counts unless the attention and KV heads split evenly over ``world_size`` ranks."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    num_heads = getattr(config, "num_attention_heads", None)
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    for name, count in (("attention heads", num_heads), ("KV heads", num_kv_heads)):
+        if count is not None and count % world_size:
+            raise ValueError(
+                f"{type(model).__name__} has {count} {name}, which cannot be split over {world_size} "
+                f"tensor-parallel ranks; use a tensor-parallel size that divides {count}"
+            )
+
+
+def requests_fingerprint(prompts: Sequence[Sequence[int]], settings: Sequence[tuple]) -> int:
+    """A 63-bit digest of prompts' token ids and their settings (numbers only: equal across processes)."""
+    digest = hashlib.blake2b(digest_size=8)
+    for token_ids, values in zip(prompts, settings):
+        digest.update(struct.pack(f"<q{len(token_ids)}q", len(token_ids), *token_ids))
+        digest.update(repr(values).encode())
+    return int.from_bytes(digest.digest(), "little") >> 1

@@ -1,0 +1,115 @@
+"""Tensor parallelism through transformers' ``tp_plan="auto"``: two ranks under torchrun (gloo on the CPU, NCCL on
+two GPUs) run one engine each in lockstep and must equal stock ``generate`` on the unsharded model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from models import make_model
+
+import hfpaged
+from hfpaged.model.tensor_parallel import check_heads, requests_fingerprint
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_worker.py")
+
+
+def run_ranks(tmp_path, arch: str, device: str, nproc: int = 2) -> list[dict]:
+    model_dir = tmp_path / arch
+    make_model(arch, seed=3).save_pretrained(model_dir)
+    out = tmp_path / f"out-{arch}"
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    command += [WORKER, "--model", str(model_dir), "--out", str(out), "--device", device]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def check_ranks(results: list[dict], num_kv_heads: int) -> None:
+    first = results[0]
+    assert first["expected"] and any(len(set(seq)) > 3 for seq in first["expected"])  # the model's output varies
+    for result in results:
+        assert result["kv_heads_local"] == num_kv_heads // len(results)  # each rank pages its own KV heads
+        assert result["num_blocks"] == first["num_blocks"]  # the smallest pool of the ranks
+        assert result["greedy"] == result["expected"]  # TP=2 equals stock generate on the unsharded model
+        assert result["greedy_after_errors"] == result["expected"]
+        assert result["engine"] == result["expected"][:3]
+        assert result["sampled"] == first["sampled"]  # unseeded sampling draws the same on every rank
+        assert result["mismatch_error"] and "different requests" in result["mismatch_error"]
+        assert result["max_time_error"] and "max_time" in result["max_time_error"]
+        assert result["free_after"][0] == result["free_after"][1]
+    assert first["preemptions"] > 0  # the small pool forced preemption, and the ranks stayed in step
+    assert first["sampled"] != first["expected"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_two_cpu_ranks_equal_stock_generate(tmp_path, arch):
+    check_ranks(run_ranks(tmp_path, arch, "cpu"), num_kv_heads=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_two_gpu_ranks_with_graphs_equal_stock_generate(tmp_path, arch):
+    check_ranks(run_ranks(tmp_path, arch, "cuda"), num_kv_heads=2)
+
+
+def test_heads_that_do_not_split_evenly_are_refused():
+    model = make_model("llama")  # 4 attention heads, 2 KV heads
+    check_heads(model, 2)
+    with pytest.raises(ValueError, match="2 KV heads, which cannot be split over 4"):
+        check_heads(model, 4)
+    with pytest.raises(ValueError, match="4 attention heads, which cannot be split over 3"):
+        check_heads(model, 3)
+
+
+def test_fingerprint_depends_on_prompts_and_settings_only():
+    a = requests_fingerprint([[1, 2, 3], [4]], [(10, False, 7), (9, True, 1)])
+    assert a == requests_fingerprint([[1, 2, 3], [4]], [(10, False, 7), (9, True, 1)])
+    assert a != requests_fingerprint([[1, 2, 3], [5]], [(10, False, 7), (9, True, 1)])
+    assert a != requests_fingerprint([[1, 2], [3, 4]], [(10, False, 7), (9, True, 1)])
+    assert a != requests_fingerprint([[1, 2, 3], [4]], [(10, False, 8), (9, True, 1)])
+    assert 0 <= a < 2**63
+
+
+def test_an_unsharded_model_has_no_tensor_parallel_group():
+    model = make_model("llama")
+    hfpaged.patch(model, num_blocks=8)
+    assert hfpaged.stats(model)["tensor_parallel_size"] == 1
+    hfpaged.unpatch(model)
+
+
+@pytest.mark.slow
+def test_data_parallel_example_returns_every_result_in_input_order(tmp_path):
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    command += [os.path.join(examples, "data_parallel.py"), "--random-shape", "tiny", "--device", "cpu"]
+    command += ["--workload", "churn", "--requests", "13", "--out", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    report = json.loads((tmp_path / "dp2.json").read_text())
+
+    sys.path.insert(0, examples)
+    try:
+        import data_parallel
+        from benchmark import workload
+    finally:
+        sys.path.remove(examples)
+    args = type("Args", (), {"model": None, "random_shape": "tiny", "dtype": torch.float32})()
+    model = data_parallel.load(args, torch.device("cpu"))
+    prompts, out_lens = workload("churn", 13, model.config.vocab_size)
+    hfpaged.patch(model)
+    requests = [{"prompt": p, "max_new_tokens": n} for p, n in zip(prompts, out_lens)]
+    expected = [list(r.token_ids) for r in model.generate_many(requests, do_sample=False, eos_token_id=None)]
+    assert report["world_size"] == 2 and report["requests"] == 13
+    assert report["token_ids"] == expected  # both replicas' results, merged back into input order
+    assert [len(t) for t in expected] == out_lens
+    assert data_parallel.merge([data_parallel.split(list(range(7)), r, 3) for r in range(3)], 7) == list(range(7))

@@ -1,0 +1,89 @@
+"""One rank of the tensor-parallel tests (run by tests/test_tensor_parallel.py under torchrun).
+
+Loads the checkpoint twice: unsharded (the TP=1 reference: stock ``generate``) and with ``tp_plan="auto"``
+(sharded over the ranks), patches the sharded one with a pool small enough to preempt, and writes what it
+saw to ``<out>/rank<r>.json`` for the test to check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+import hfpaged
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import random_prompts, reference_generate
+
+
+def ids_of(results) -> list[list[int]]:
+    return [list(result.token_ids) for result in results]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--new-tokens", type=int, default=12)
+    args = parser.parse_args()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(args.device, local_rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    sharded = AutoModelForCausalLM.from_pretrained(args.model, tp_plan="auto", dtype=torch.float32).eval()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
+    prompts = random_prompts([5, 17, 9, 30, 3, 12], seed=1)
+    expected = reference_generate(reference, prompts, max_new_tokens=args.new_tokens, do_sample=False)
+    result: dict = {"rank": rank, "world_size": world, "expected": expected}
+
+    # pools sized from a budget that differs per rank: every rank must end up with the smallest pool
+    hfpaged.patch(sharded, block_size=4, cpu_kv_cache_gib=(1 + rank) * 1.2e-5, max_num_seqs=4)
+    stats = hfpaged.stats(sharded)
+    result["num_blocks"] = stats["num_blocks"]
+    result["greedy"] = ids_of(sharded.generate_many(prompts, max_new_tokens=args.new_tokens, do_sample=False))
+    result["preemptions"] = hfpaged.stats(sharded).get("num_preemptions")
+    result["sampled"] = ids_of(sharded.generate_many(prompts, max_new_tokens=args.new_tokens, do_sample=True, top_k=0))
+    result["kv_heads_local"] = sharded._hfpaged.layers[0].num_kv_heads
+
+    # a rank that submits other prompts: every rank gets the error, and the model stays usable
+    mismatched = [p + [rank + 3] for p in prompts[:2]]
+    try:
+        sharded.generate_many(mismatched, max_new_tokens=4)
+        result["mismatch_error"] = None
+    except ValueError as error:
+        result["mismatch_error"] = str(error)
+    try:
+        sharded.generate_many(prompts[:1], max_new_tokens=4, max_time=10.0)
+        result["max_time_error"] = None
+    except ValueError as error:
+        result["max_time_error"] = str(error)
+    result["greedy_after_errors"] = ids_of(
+        sharded.generate_many(prompts, max_new_tokens=args.new_tokens, do_sample=False)
+    )
+    stats = hfpaged.stats(sharded)
+    result["free_after"] = [stats["num_free_blocks"], stats["num_blocks"]]
+
+    # the engine's streaming handle runs in lockstep too
+    engine = hfpaged.Engine(sharded)
+    ids = [engine.add_request(p, max_new_tokens=args.new_tokens, do_sample=False) for p in prompts[:3]]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens[output.request_id].extend(output.new_token_ids)
+    result["engine"] = [tokens[i] for i in ids]
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
