@@ -44,8 +44,10 @@ def main() -> None:
     expected = reference_generate(reference, prompts, max_new_tokens=args.new_tokens, do_sample=False)
     result: dict = {"rank": rank, "world_size": world, "expected": expected}
 
-    # pools sized from a budget that differs per rank: every rank must end up with the smallest pool
-    hfpaged.patch(sharded, block_size=4, cpu_kv_cache_gib=(1 + rank) * 1.2e-5, max_num_seqs=4)
+    # pools that differ per rank: every rank must end up with the smallest one
+    # (CUDA: a block count per rank; the CPU: a memory budget per rank, the path that sizes the pool)
+    pool = {"num_blocks": 12 * (1 + rank)} if device.type == "cuda" else {"cpu_kv_cache_gib": (1 + rank) * 1.2e-5}
+    hfpaged.patch(sharded, block_size=4, max_num_seqs=4, **pool)
     stats = hfpaged.stats(sharded)
     result["num_blocks"] = stats["num_blocks"]
     result["greedy"] = ids_of(sharded.generate_many(prompts, max_new_tokens=args.new_tokens, do_sample=False))
