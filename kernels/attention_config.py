@@ -15,6 +15,15 @@ DECODE_MAX_ROWS = 64
 MAX_SPLITS = 64
 MIN_KEYS_PER_SPLIT = 128  # H100 sweep: B=1 x 2k decode 685 GB/s with 16 splits vs 563 with 8
 PROGRAMS_PER_SM = 2
+# Decode tiles (TILE_N, num_warps, num_stages) by the bytes of one K/V element as the dots see it (the query's
+# for 16/32-bit caches; 1 for fp8 caches with 16-bit queries, whose tiles are loaded at 1 byte per element),
+# for head_dim_pad <= 128 and for larger heads. H100 sweep (bf16): 2 stages beat 3-4 (more programs per SM).
+# fp8 keeps the 2-byte choice until examples/sweep_fp8_decode.py measures a better one.
+DECODE_TILES = {
+    4: ((32, 4, 2), (16, 4, 2)),
+    2: ((64, 4, 2), (32, 4, 2)),
+    1: ((64, 4, 2), (32, 4, 2)),
+}
 
 
 @dataclass(frozen=True)
@@ -68,15 +77,16 @@ def choose_config(
     max_seqlen_q: int,
     max_seqlen_k: int,
     device: torch.device,
+    kv_elem_size: int | None = None,
 ) -> AttentionConfig:
-    """Pick tiles and the number of context splits from shapes and the host hints (never device values)."""
+    """Pick tiles and the number of context splits from shapes and the host hints (never device values).
+
+    ``elem_size`` is the query's element size, ``kv_elem_size`` the cache's (None: the same; 1 for fp8).
+    """
     if decode_like(max_seqlen_q, group):
         block_m = max(16, next_power_of_2(max_seqlen_q * group))
-        if elem_size == 4:
-            tile_n = 32 if head_dim_pad <= 128 else 16
-        else:
-            tile_n = 64 if head_dim_pad <= 128 else 32
-        num_warps, num_stages = 4, 2  # H100 sweep: 2 stages beat 3-4 (more programs resident per SM)
+        tiles_key = 1 if kv_elem_size == 1 and elem_size <= 2 else elem_size  # fp32 queries dot in fp32
+        tile_n, num_warps, num_stages = DECODE_TILES.get(tiles_key, DECODE_TILES[2])[0 if head_dim_pad <= 128 else 1]
         block_q = max(1, block_m // group)
         active_programs = min(num_tokens, num_seqs * cdiv(max_seqlen_q, block_q)) * num_kv_heads
         num_splits = split_count(active_programs, max_seqlen_k, _sm_count(device))

@@ -232,6 +232,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
     KV_FP8: tl.constexpr,
+    FP8_DOT_F16: tl.constexpr = True,  # fp8 caches with bf16 queries: dots in fp16 (False: upcast K/V to bf16)
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -290,6 +291,17 @@ def _paged_attention_kernel(
 
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)  # q . (k8 * k_scale) = (q . k8) * k_scale
+        if FP8_DOT_F16:
+            if q_ptr.dtype.element_ty == tl.bfloat16:
+                # fp8 -> fp16 is exact and costs one conversion per two values; fp8 -> bf16 goes through fp16
+                # and costs three (the conversion pipe, not HBM, then bounds the loop). So both dots run in
+                # fp16: q is scaled into fp16's range once per program (largest |q| -> 2^13; 3 more mantissa
+                # bits than bf16), the factor folded into qk_scale; P (in [0, 1]) is cast to fp16 for PV.
+                q32 = q.to(tl.float32)
+                q_max = tl.max(tl.max(tl.abs(q32), 1), 0)
+                q_mult = tl.where(q_max > 1e-30, 8192.0 / q_max, 1.0)
+                q = (q32 * q_mult).to(tl.float16)
+                qk_scale = qk_scale / q_mult
     k_head_ptr = k_cache_ptr + kv_head * stride_k_h
     v_head_ptr = v_cache_ptr + kv_head * stride_v_h
     block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_b

@@ -98,6 +98,26 @@ def test_fp8_attention_matches_float64_reference(case, fmt, dtype):
     )
 
 
+@pytest.mark.parametrize("q_mult", [1.0, 1e5, 1e-6], ids=["q1", "q1e5", "q1e-6"])
+@pytest.mark.parametrize("fmt", FORMATS, ids=FMT_IDS)
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]], ids=[CASES[0][0], CASES[2][0], CASES[4][0]])
+def test_fp8_bf16_queries_dot_in_fp16(case, fmt, q_mult):
+    # bf16 queries over an fp8 cache run both dots in fp16 (fp8 -> fp16 is the cheap exact conversion) with q
+    # rescaled into fp16's range: queries far outside it (1e5 x) or deep in its subnormals (1e-6 x) stay exact
+    # to bf16 tolerance. (This path also runs in the CPU interpreter: it never dots in bf16.)
+    _, q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, window, softcap = case
+    shape = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+    batch, _ = fp8_batch(q_lens, seq_lens, fmt, torch.bfloat16, **shape)
+    batch["q"] = (batch["q"].float() * q_mult).to(torch.bfloat16)
+    kwargs = dict(scale=head_dim**-0.5, sliding_window=window, softcap=softcap)
+    ref = reference64(batch, **kwargs)
+    assert not ref.isnan().any()
+    assert_close(paged_attention(**batch, **kwargs), ref.to(torch.bfloat16), torch.bfloat16)
+    out = paged_attention_with_config(**batch, **kwargs, config=AttentionConfig(16, 16, 4, 1, num_splits=3),
+                                      out=poisoned_out(batch))  # fmt: skip
+    assert_close(out, ref.to(torch.bfloat16), torch.bfloat16)
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=FMT_IDS)
 def test_fp8_reference_store_round_trip_and_saturation(fmt):
     gen = torch.Generator().manual_seed(1)
