@@ -32,6 +32,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" (= "fp8_e4m3"), "fp8_e5m2": half the bytes
     kv_cache_scales: float | list[tuple[float, float]] | None = None  # fp8 only: one scale for every K and V, or
     # one (k_scale, v_scale) per attention layer; None: the checkpoint's k_scale/v_scale, else calibrated
+    fuse_projections: bool | None = None  # q/k/v and gate/up as one GEMM each in paged steps (weights moved into
+    # one buffer per group, no copy); None: on for layers on CUDA devices, off elsewhere
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -58,6 +60,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_scales is not None:
             self._check_kv_cache_scales()
+        if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):
+            raise ValueError(f"fuse_projections must be True, False or None, got {self.fuse_projections!r}")
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
 

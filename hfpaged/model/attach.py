@@ -23,6 +23,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from ..core.config import EngineConfig
 from .attention import LayerRecord
+from .fused_projections import FusedProjections, fuse_projections
 from .kv_cache import (
     allocate_caches,
     block_bytes,
@@ -110,6 +111,7 @@ class PatchState:
     kv_scale_source: str | None = None  # fp8: "user", "checkpoint" or "calibration"
     calibration_pending: bool = False  # the next eager forward that stores K/V sets the scales first
     recalibrate_when_idle: bool = False  # weights changed while requests ran: calibrate once nothing runs
+    fused_projections: FusedProjections | None = None  # q/k/v and gate/up weights moved into one buffer each
     tp: TensorParallel | None = None  # the tensor-parallel group transformers sharded the model over
 
     def block_bytes(self) -> dict[torch.device, int]:
@@ -176,6 +178,15 @@ def _wrap_forward(model: torch.nn.Module, lock: threading.RLock) -> Callable | N
 def attach(model: PreTrainedModel, config: EngineConfig, tokenizer: Any = None) -> PatchState:
     """Give every attention layer of ``model`` a paged KV cache in one shared pool; returns the state."""
     check_model(model)
+    fused = fuse_projections(model, config.fuse_projections)  # first: the pool is sized after it
+    try:
+        return _attach(model, config, tokenizer, fused)
+    except BaseException:
+        fused.unfuse()
+        raise
+
+
+def _attach(model: PreTrainedModel, config: EngineConfig, tokenizer: Any, fused: FusedProjections) -> PatchState:
     tp = find_tensor_parallel(model)
     input_device = model.get_input_embeddings().weight.device
     attn_configs = collect_configs(model)
@@ -212,6 +223,7 @@ def attach(model: PreTrainedModel, config: EngineConfig, tokenizer: Any = None) 
         vocab_size=model.get_input_embeddings().weight.shape[0],
         max_model_len=model_len,
         kv_cache_dtype=kv_dtype,
+        fused_projections=fused,
         tp=tp,
     )
     if kv_dtype is not None:
@@ -263,6 +275,8 @@ def detach(model: PreTrainedModel) -> None:
         return
     with state.forward_lock:
         release_caches(state)
+        if state.fused_projections is not None:
+            state.fused_projections.unfuse()
         for layer in state.layers:
             layer.module.__dict__.pop("_hfpaged_kv_scale", None)
         if getattr(model.__dict__.get("forward"), "_hfpaged_forward", False):

@@ -23,6 +23,7 @@ from ..core.scheduler_output import SchedulerOutput
 from ..sampling.sampler import Sampler, StepResult
 from .attention import PagedStep, eval_mode, paged_forward
 from .cuda_graphs import StepGraphs
+from .fused_projections import fused_step
 from .input_batch import DeviceStep, HostStep, InputBatch, device_views, padded_width, region_slices
 from .kv_quant import as_bytes
 
@@ -167,7 +168,8 @@ class ModelRunner:
         keep = step.logits_indices if logits_indices is None else logits_indices
         kwargs = {"logits_to_keep": keep} if self.supports_logits_to_keep else {}
         model = self.model
-        with paged_forward(self.state.attn_configs, self.state.forward_lock), eval_mode(model):
+        fused = fused_step(self.state.fused_projections)
+        with paged_forward(self.state.attn_configs, self.state.forward_lock), eval_mode(model), fused:
             output = model(
                 input_ids=step.input_ids, position_ids=step.position_ids, use_cache=False, hfpaged=context, **kwargs
             )
@@ -221,7 +223,8 @@ class ModelRunner:
 
             self._compiled = compile_decode_forward(self.graph_width * self.block_size)
         meta = step.metadata  # reaches the attention as forward kwargs: no step context needed
-        with paged_forward(self.state.attn_configs, self.state.forward_lock), eval_mode(self.model):
+        fused = fused_step(self.state.fused_projections)
+        with paged_forward(self.state.attn_configs, self.state.forward_lock), eval_mode(self.model), fused:
             return self._compiled(
                 self.model,
                 step.input_ids,

@@ -1,0 +1,188 @@
+"""q/k/v and gate/up as one GEMM each in the paged forward, without a second copy of the weights.
+
+At ``patch`` time each group of plain ``torch.nn.Linear`` projections that read the same input (an attention's
+``q_proj``/``k_proj``/``v_proj``, an MLP's ``gate_proj``/``up_proj``) moves into one contiguous
+``[sum_out, in]`` buffer, one group at a time: each member's ``weight`` (and ``bias``) stays the same
+``Parameter`` object (optimizers keep working) but its ``.data`` becomes a row slice of the buffer, and the
+old storage is freed. Stock calls compute exactly as before: the same values, one GEMM per module.
+
+Only inside a paged step (``FusedProjections.step``) does each member get an instance ``forward``: the first
+member called computes ``F.linear(x, buffer)`` once and stashes the split output with ``x``; the others return
+their slice when called with that same tensor object (``is``), else compute alone. The forwards are removed
+when the step ends, so outside it nothing differs from stock, and dynamo traces the stash as plain Python
+state (one ``linear`` + ``split`` per group under ``compile=True``). Before each step every group checks it is
+still intact (same modules, each weight still its slice of the buffer); one that is not (a new ``Parameter``,
+``.data`` swapped, a module replaced, a PEFT layer wrapped around it, ``model.to``) is dropped for good and its
+modules run alone. ``unfuse`` (at ``unpatch``) gives every member its own storage again.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("hfpaged")
+
+GROUP_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _plain_linear(module: torch.nn.Module | None) -> bool:
+    """A stock Linear with stock parameters (not PEFT, bitsandbytes, DTensor, quantized, hooked)."""
+    if type(module) is not torch.nn.Linear or "forward" in module.__dict__:
+        return False
+    params = [module.weight] if module.bias is None else [module.weight, module.bias]
+    return all(type(p) is torch.nn.Parameter and p.is_floating_point() and p.device.type != "meta" for p in params)
+
+
+def _params(members: list[torch.nn.Linear]) -> list[torch.Tensor]:
+    return [p for m in members for p in (m.weight, m.bias) if p is not None]
+
+
+def _can_fuse(members: list[torch.nn.Linear]) -> bool:
+    first = members[0].weight
+    if not all(_plain_linear(m) for m in members) or len({id(p) for p in _params(members)}) != len(_params(members)):
+        return False
+    if any(m._forward_hooks or m._forward_pre_hooks for m in members):  # e.g. tensor-parallel or offload hooks
+        return False
+    if any((m.bias is None) != (members[0].bias is None) for m in members):
+        return False
+    if any(
+        p.dtype != first.dtype or p.device != first.device or not p.is_contiguous() for p in _params(members)
+    ) or any(m.in_features != members[0].in_features for m in members):
+        return False
+    # the members' storages must hold nothing else, or re-pointing them would not free memory (and would
+    # part them from whatever else shares that storage)
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in _params(members)}
+    return sum(storages.values()) == sum(p.numel() * p.element_size() for p in _params(members))
+
+
+class FusedGroup:
+    """Projections of one module that read the same input, their weights slices of one buffer."""
+
+    def __init__(self, parent: torch.nn.Module, names: tuple[str, ...]):
+        self.parent = parent
+        self.names = names
+        self.members = [parent._modules[name] for name in names]
+        self.sizes = [m.out_features for m in self.members]
+        with torch.inference_mode(False), torch.no_grad():  # never an inference tensor: training reads it
+            self.weight = torch.cat([m.weight for m in self.members])
+            self.bias = None if self.members[0].bias is None else torch.cat([m.bias for m in self.members])
+            for member, weight, bias in zip(self.members, *self._slices()):
+                member.weight.data = weight  # same Parameter object; its old storage is freed
+                if bias is not None:
+                    member.bias.data = bias
+        self.forwards = [functools.partial(_fused_forward, self, i, m) for i, m in enumerate(self.members)]
+        self.input: torch.Tensor | None = None  # per step: the input of the stashed output
+        self.parts: tuple[torch.Tensor, ...] = ()
+        self.num_left = 0
+
+    def _slices(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        weights = list(self.weight.split(self.sizes))
+        biases = list(self.bias.split(self.sizes)) if self.bias is not None else [None] * len(self.sizes)
+        return weights, biases
+
+    def intact(self) -> bool:
+        """Every member is still the parent's stock Linear reading its slice of the buffer."""
+        for name, member, weight, bias in zip(self.names, self.members, *self._slices()):
+            if self.parent._modules.get(name) is not member or not _plain_linear(member):
+                return False
+            for param, part in ((member.weight, weight), (member.bias, bias)):
+                if (param is None) != (part is None):
+                    return False
+                if param is not None and (param.data_ptr() != part.data_ptr() or param.shape != part.shape):
+                    return False
+        return True
+
+    def clear(self) -> None:
+        self.input, self.parts, self.num_left = None, (), 0
+
+    def views(self) -> list[torch.Tensor]:
+        """The members' parameters that are still slices of the buffer."""
+        ranges = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in (self.weight, self.bias) if t is not None]
+        params = [p for p in _params(self.members) if p.device == self.weight.device]
+        return [p for p in params if any(start <= p.data_ptr() < end for start, end in ranges)]
+
+    def unfuse(self) -> None:
+        """Each member's parameters in their own storage again (those still slices of the buffer)."""
+        with torch.inference_mode(False), torch.no_grad():
+            for param in self.views():
+                param.data = param.data.clone()
+        self.weight = self.bias = None
+
+
+def _fused_forward(group: FusedGroup, index: int, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A member's forward inside a paged step: one GEMM for the whole group, each member takes its slice."""
+    if group.input is not x:
+        group.input = x
+        group.parts = F.linear(x, group.weight, group.bias).split(group.sizes, dim=-1)
+        group.num_left = len(group.sizes)
+    part = group.parts[index]
+    group.num_left -= 1
+    if group.num_left == 0:  # every member took its slice: the stash need not keep them alive
+        group.clear()
+    return part
+
+
+class FusedProjections:
+    """The fused groups of one model."""
+
+    def __init__(self, groups: list[FusedGroup]):
+        self.groups = groups
+        self.broken: list[FusedGroup] = []  # no longer intact: never fused again
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Give the members of every intact group their fused forward for one paged forward."""
+        broken = [group for group in self.groups if not group.intact()]
+        if broken:
+            logger.info("hfpaged: %d fused projection groups changed; their modules run unfused", len(broken))
+            self.groups = [group for group in self.groups if group not in broken]
+            # members still viewing a buffer get their own storage at unfuse; the others' buffers are freed now
+            self.broken += [group for group in broken if group.views()]
+        for group in self.groups:
+            for member, forward in zip(group.members, group.forwards):
+                member.__dict__["forward"] = forward
+        try:
+            yield
+        finally:
+            for group in self.groups:
+                group.clear()
+                for member in group.members:
+                    member.__dict__.pop("forward", None)
+
+    def unfuse(self) -> None:
+        """Every member's parameters in their own storage again, one group at a time."""
+        for group in self.groups + self.broken:
+            group.unfuse()
+        self.groups, self.broken = [], []
+
+
+def fuse_projections(model: torch.nn.Module, setting: bool | None) -> FusedProjections:
+    """Fuse every eligible group of ``model``: all (``True``), none (``False``), those on CUDA (``None``)."""
+    groups = []
+    for module in model.modules() if setting is not False else ():
+        for names in GROUP_NAMES:
+            members = [module._modules.get(name) for name in names]
+            if not all(isinstance(m, torch.nn.Module) for m in members) or not _can_fuse(members):
+                continue
+            if setting is None and members[0].weight.device.type != "cuda":
+                continue
+            groups.append(FusedGroup(module, names))
+    if groups:
+        logger.info("hfpaged: %d projection groups fused", len(groups))
+    return FusedProjections(groups)
+
+
+@contextmanager
+def fused_step(fused: FusedProjections | None) -> Iterator[None]:
+    """``fused.step()``, or nothing when the model has no fused projections."""
+    if fused is None or not fused.groups:
+        yield
+        return
+    with fused.step():
+        yield
