@@ -9,6 +9,8 @@ chunks) at p50/p99, and finally the same requests run offline through ``generate
 ``bench_serve.png`` (matplotlib) under ``--out``.
 
     python examples/bench_serve.py --random-shape qwen3-0.6b --rates 4 8 16 32 64 inf   # GPU, random weights
+    python examples/bench_serve.py --random-shape qwen3-0.6b --servers hfpaged --api-server-counts 1 2 4 \
+        --rates 32 inf --num-requests 512 --client-processes 4              # several front-end processes
     python examples/bench_serve.py --model PATH --rates 2 8 inf                         # a local model directory
     python examples/bench_serve.py --random-shape tiny --device cpu --rates 2 --num-requests 8 --max-tokens 16
     # host overhead on the CPU: a 2-layer model with a large vocabulary, HTTP in its own process or not
@@ -17,7 +19,11 @@ chunks) at p50/p99, and finally the same requests run offline through ``generate
 
 Servers: ``hfpaged`` (``hfpaged serve``: the engine beside the model, HTTP in a front-end process),
 ``hfpaged-single`` (``hfpaged serve --single-process``: HTTP in a thread beside the engine, one GIL), and
-``transformers``. ``--client-processes N`` spreads the requests over N client processes (round robin, one
+``transformers``. ``--api-server-counts 1 2 4`` runs ``hfpaged`` once per count of front-end processes
+(``--api-server-count N``), each its own row ``hfpaged-N``. After each hfpaged rate it prints where the engine
+thread's time went (``/metrics`` scraped before and after: ``Engine.step``, commands, sending outputs, the
+rest idle, as shares of the rate's wall time; steps, ms and tokens per step) and the CPU seconds per wall
+second of the engine process and of each front-end process (Linux ``/proc``; ~1.0 = that process is saturated). ``--client-processes N`` spreads the requests over N client processes (round robin, one
 shared schedule), so that on a fast GPU the client's own parsing does not cap what is measured; each rate
 reports the client's CPU seconds per wall second (``client_cpu_per_s``, ~1.0 per process = saturated).
 
@@ -207,8 +213,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def server_command(kind: str, path: str, port: int, args: argparse.Namespace) -> tuple[list[str], str]:
-    """(command line, the name clients must pass as ``model``)."""
+def server_command(
+    kind: str, path: str, port: int, args: argparse.Namespace, extra: tuple[str, ...] = ()
+) -> tuple[list[str], str]:
+    """(command line, the name clients must pass as ``model``); ``extra``: more flags for hfpaged serve."""
     if kind in ("hfpaged", "hfpaged-single"):
         command = [
             sys.executable,
@@ -235,6 +243,7 @@ def server_command(kind: str, path: str, port: int, args: argparse.Namespace) ->
             "--log-level",
             "warning",
             *(["--single-process"] if kind == "hfpaged-single" else []),
+            *extra,
             *args.hfpaged_args.split(),
         ]
         return command, SERVED_NAME
@@ -447,23 +456,28 @@ def summarize(records: list[RequestRecord], wall: float, client_cpu: float) -> d
     }
 
 
-def bench_server(kind: str, path: str, conversations: list, args: argparse.Namespace) -> dict:
+def bench_server(
+    kind: str, path: str, conversations: list, args: argparse.Namespace, label: str | None = None, extra=()
+) -> dict:
+    """One server's run over every rate; ``label`` names its row (default ``kind``), ``extra`` adds hfpaged flags."""
+    label = label or kind
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command, model_name = server_command(kind, path, port, args)
-    log(f"\n== {kind} ==")
+    command, model_name = server_command(kind, path, port, args, tuple(extra))
+    log(f"\n== {label} ==")
     result = {"command": command, "rates": {}}
+    hfpaged = kind.startswith("hfpaged")
     try:
         process = start_server(
             command,
             url,
-            os.path.join(args.out, f"{kind}_server.log"),
+            os.path.join(args.out, f"{label}_server.log"),
             args.startup_timeout,
             args.device,
             args.torch_threads,
         )
     except (RuntimeError, TimeoutError) as exc:
-        log(f"  {kind} did not start: {exc}")
+        log(f"  {label} did not start: {exc}")
         result["error"] = str(exc)
         return result
 
@@ -494,6 +508,8 @@ def bench_server(kind: str, path: str, conversations: list, args: argparse.Names
             + (f" ({warm[0].error})" if warm and not warm[0].ok else "")
         )
         for rate in args.rates:
+            if hfpaged:
+                before, cpu_before = scrape(url), server_cpu_seconds(process.pid)
             records, wall, client_cpu = run_stream(url, bodies(conversations), rate, args.seed, pool, parts)
             summary = summarize(records, wall, client_cpu)
             result["rates"][str(rate)] = summary
@@ -504,7 +520,13 @@ def bench_server(kind: str, path: str, conversations: list, args: argparse.Names
                 f"client CPU {summary['client_cpu_per_s']:.2f}/s"
                 + (f"  errors: {summary['errors']}" if summary["errors"] else "")
             )
-        if kind.startswith("hfpaged"):
+            if hfpaged:
+                cpu_after = server_cpu_seconds(process.pid)
+                time.sleep(0.3)  # the engine's last snapshot (sent when it goes idle) reaches the front ends
+                summary["engine_loop"] = engine_loop_breakdown(before, scrape(url), wall)
+                summary["server_cpu_per_s"] = cpu_per_second(cpu_before, cpu_after, wall)
+                log(describe_server_side(summary["engine_loop"], summary["server_cpu_per_s"]))
+        if hfpaged:
             result["server_metrics"] = server_metrics(url)
     finally:
         stop_server(process)
@@ -513,16 +535,90 @@ def bench_server(kind: str, path: str, conversations: list, args: argparse.Names
     return result
 
 
-def server_metrics(url: str) -> dict[str, float]:
-    """hfpaged's own counters after the run (preemptions, prefix-cache hits, ...), from /metrics."""
+def scrape(url: str) -> dict[str, float]:
+    """Every hfpaged sample of /metrics but histogram buckets: {name{labels}: value}."""
     import httpx
 
     values = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        name, _, value = line.partition(" ")
-        if name.startswith("hfpaged_") and "{" not in name and not name.endswith(("_bucket", "_created")):
+        name, _, value = line.rpartition(" ")
+        if name.startswith("hfpaged_") and "_bucket{" not in name and not name.endswith("_created"):
             values[name] = float(value)
     return values
+
+
+def server_metrics(url: str) -> dict[str, float]:
+    """hfpaged's own counters after the run (preemptions, prefix-cache hits, ...), from /metrics."""
+    return {name: value for name, value in scrape(url).items() if "{" not in name}
+
+
+LOOP_PARTS = ("step", "commands", "outputs", "idle")
+
+
+def engine_loop_breakdown(before: dict[str, float], after: dict[str, float], wall: float) -> dict:
+    """Where the engine thread's time went during one rate (deltas of ``hfpaged_engine_loop_seconds_total``):
+    seconds per part, each part's share of the rate's wall time, steps, ms and generated tokens per step."""
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    seconds = {part: delta(f'hfpaged_engine_loop_seconds_total{{part="{part}"}}') for part in LOOP_PARTS}
+    steps = delta("hfpaged_engine_loop_steps_total")
+    tokens = delta("hfpaged_generation_tokens_total")
+    busy = seconds["step"] + seconds["commands"] + seconds["outputs"]
+    return {
+        "seconds": seconds,
+        "share_of_wall": {part: seconds[part] / wall if wall > 0 else 0.0 for part in ("step", "commands", "outputs")},
+        "rest_of_wall": 1 - busy / wall if wall > 0 else 0.0,  # idle, mostly (before the first arrival, ...)
+        "steps": steps,
+        "ms_per_step": seconds["step"] / steps * 1e3 if steps else None,
+        "tokens_per_step": tokens / steps if steps else None,
+        "generated_tokens": tokens,
+    }
+
+
+def server_cpu_seconds(pid: int) -> dict[int, float] | None:
+    """CPU seconds (user + system) of the server process and of its children (the front ends), from /proc."""
+    try:
+        tick = os.sysconf("SC_CLK_TCK")
+        children = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(child) for child in f.read().split()]
+        cpu = {}
+        for process_id in [pid, *sorted(children)]:
+            with open(f"/proc/{process_id}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            cpu[process_id] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        return cpu
+    except (OSError, ValueError, IndexError):  # not Linux, or a process ended meanwhile
+        return None
+
+
+def cpu_per_second(before: dict | None, after: dict | None, wall: float) -> dict | None:
+    """{"engine": CPU s per wall s of the server process, "front_ends": [... of each child]}."""
+    if not before or not after or wall <= 0:
+        return None
+    pids = [pid for pid in after if pid in before]
+    if not pids:
+        return None
+    rates = [(after[pid] - before[pid]) / wall for pid in pids]
+    return {"engine": rates[0], "front_ends": rates[1:]}
+
+
+def describe_server_side(loop: dict, cpu: dict | None) -> str:
+    shares = loop["share_of_wall"]
+    text = (
+        f"    engine loop: step {shares['step']:.0%}, commands {shares['commands']:.0%}, "
+        f"outputs {shares['outputs']:.0%}, rest {loop['rest_of_wall']:.0%} of the wall time; "
+        f"{loop['steps']:.0f} steps, {_ms(loop['ms_per_step'])} ms and "
+        f"{'-' if loop['tokens_per_step'] is None else format(loop['tokens_per_step'], '.1f')} tokens per step"
+    )
+    if cpu is not None:
+        text += f"\n    CPU s per s: engine process {cpu['engine']:.2f}, front ends " + " ".join(
+            f"{rate:.2f}" for rate in cpu["front_ends"]
+        )
+    return text
 
 
 def _ms(value: float | None) -> str:
@@ -671,6 +767,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--warmup-requests", type=int, default=8)
     parser.add_argument("--startup-timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--api-server-counts",
+        nargs="+",
+        type=int,
+        help="run hfpaged once per count of front-end processes (--api-server-count N), rows hfpaged-N",
+    )
     parser.add_argument("--hfpaged-args", default="", help="extra flags for hfpaged serve, e.g. '--compile'")
     parser.add_argument("--transformers-args", default="", help="extra flags for transformers serve")
     parser.add_argument("--no-offline", action="store_true", help="skip the offline generate_many run")
@@ -706,13 +808,20 @@ def main(argv: list[str] | None = None) -> None:
         "max_num_seqs": args.max_num_seqs,
         "vocab_size": args.vocab_size,
         "client_processes": args.client_processes,
+        "api_server_counts": args.api_server_counts,
         "torch_threads": args.torch_threads,
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "servers": {},
     }
     for kind in args.servers:
-        report["servers"][kind] = bench_server(kind, path, conversations, args)
+        if kind == "hfpaged" and args.api_server_counts:
+            for count in args.api_server_counts:
+                label = f"hfpaged-{count}"
+                extra = ("--api-server-count", str(count))
+                report["servers"][label] = bench_server(kind, path, conversations, args, label, extra)
+        else:
+            report["servers"][kind] = bench_server(kind, path, conversations, args)
     if not args.no_offline:
         log("\n== offline generate_many ==")
         report["offline"] = bench_offline(path, conversations, args)
@@ -720,14 +829,14 @@ def main(argv: list[str] | None = None) -> None:
             f"  {report['offline']['output_tokens']} tokens in {report['offline']['wall_s']:.2f} s: "
             f"{report['offline']['output_tokens_per_s']:.1f} tok/s"
         )
-        for kind in ("hfpaged", "hfpaged-single"):
-            hf_rates = report["servers"].get(kind, {}).get("rates", {})
-            if hf_rates:
+        report["peak_vs_offline"] = {}
+        for label, result in report["servers"].items():
+            hf_rates = result.get("rates", {})
+            if label.startswith("hfpaged") and hf_rates:
                 peak = max(row["output_tokens_per_s"] for row in hf_rates.values())
-                ratio = report[f"{kind.replace('-', '_')}_peak_vs_offline"] = (
-                    peak / report["offline"]["output_tokens_per_s"]
-                )
-                log(f"  {kind} serve peak {peak:.1f} tok/s = {ratio:.0%} of offline")
+                ratio = peak / report["offline"]["output_tokens_per_s"]
+                report["peak_vs_offline"][label] = report[f"{label.replace('-', '_')}_peak_vs_offline"] = ratio
+                log(f"  {label} serve peak {peak:.1f} tok/s = {ratio:.0%} of offline")
     with open(os.path.join(args.out, "bench_serve.json"), "w") as f:
         json.dump(report, f, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
     plot(report, os.path.join(args.out, "bench_serve.png"))

@@ -685,7 +685,7 @@ def test_engine_loop_ships_compact_picklable_messages(model, tokenizer):
 
     messages = []
     loop = EngineLoop(model, tokenizer)
-    loop.start(lambda message: messages.append(pickle.loads(pickle.dumps(message))))  # as over the socket
+    loop.start([lambda message: messages.append(pickle.loads(pickle.dumps(message)))])  # as over the socket
     prompt = tokenizer("the stop sign")["input_ids"]
     greedy = dict(do_sample=False, logit_bias={2: -100.0})
     loop.put(

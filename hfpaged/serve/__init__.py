@@ -8,7 +8,8 @@
     app = hfpaged.serve.create_app(model, tokenizer) # the single-process ASGI app, for any ASGI server
 
 ``Server`` keeps the engine in this process, beside the model, and runs HTTP in a child process (``server``
-says why); ``create_app`` and ``Server(..., frontend_process=False)`` keep both in one process.
+says why), or in ``api_server_count`` of them on the same port; ``create_app`` and
+``Server(..., frontend_process=False)`` keep both in one process.
 
 Needs the ``serve`` extra (``pip install hfpaged[serve]``: fastapi, uvicorn, prometheus_client); importing
 this package does not, only building a server does.

@@ -60,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run HTTP in a thread beside the engine instead of in a front-end process of its own",
     )
+    serve.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="front-end processes serving HTTP on the port (tokenization, detokenization, SSE), all talking to the "
+        "one engine (as vLLM's --api-server-count)",
+    )
     serve.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation before serving")
     serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return parser
@@ -95,6 +102,13 @@ def serve_command(args: argparse.Namespace) -> None:
 
     if args.demo == (args.model is not None):
         sys.exit("hfpaged serve: give a MODEL_PATH or --demo (one of them)")
+    if args.api_server_count < 1:
+        sys.exit("hfpaged serve: --api-server-count must be >= 1")
+    if args.single_process and args.api_server_count > 1:
+        sys.exit(
+            "hfpaged serve: --single-process serves HTTP from the engine's process: it has one front end, so "
+            "--api-server-count must be 1"
+        )
     if args.demo:
         from hfpaged.demo_model import DEMO_MODEL_NAME, fetch_smollm2
 
@@ -135,6 +149,7 @@ def serve_command(args: argparse.Namespace) -> None:
         shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level,
         frontend_process=not args.single_process,
+        api_server_count=args.api_server_count,
     )
     print(f"hfpaged: serving `{server.serving.model_name}` at {server.url}/v1 (Ctrl-C stops)", flush=True)
     try:

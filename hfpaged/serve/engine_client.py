@@ -47,7 +47,14 @@ class _Route:
 class EngineClient:
     """Submits to the engine side and routes what comes back; ``connect`` it to a ``send`` first."""
 
-    def __init__(self, *, max_waiting: int, stats: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        *,
+        max_waiting: int,
+        stats: dict[str, Any] | None = None,
+        api_server_index: int = 0,
+        metrics_dir: str | None = None,
+    ):
         self.max_waiting = max_waiting
         self.stats: dict[str, Any] = dict(stats or {})  # the engine's latest pool figures
         self.send: Callable[[Any], None] | None = None
@@ -59,7 +66,13 @@ class EngineClient:
         self.closing = False
         self.failure: str | None = None  # why the engine is unreachable, once it is
         self.stopped: asyncio.Event | None = None
-        self.metrics = ServerMetrics(lambda: self.stats, lambda: len(self.running), lambda: len(self.waiting))
+        self.metrics = ServerMetrics(
+            lambda: self.stats,
+            lambda: len(self.running),
+            lambda: len(self.waiting),
+            api_server_index=api_server_index,
+            multiprocess_dir=metrics_dir,
+        )
 
     def connect(self, send: Callable[[Any], None]) -> None:
         """Commands go to ``send`` from now on (call on the event loop)."""
@@ -85,6 +98,7 @@ class EngineClient:
         for submission in submissions:
             self.routes[submission.request_id] = _Route(sink, arrival_time, submission.num_sequences)
             self.waiting.add(submission.request_id)
+        self.metrics.update_counts()
         tag = next(self.tags)
         accepted = self.pending[tag] = asyncio.get_running_loop().create_future()
         self.send(AddRequests(tag, submissions))
@@ -102,8 +116,11 @@ class EngineClient:
             kind, message = error
             if kind == "invalid":
                 raise invalid_request(message) from None
+            if kind == "queue_full":  # the engine's bound, over every front end's requests
+                raise queue_full(self.max_waiting)
             raise APIError(f"The engine failed to add the request: {message}", status_code=500, type="server_error")
         self.metrics.prompt_tokens.inc(sum(len(s.prompt_token_ids) for s in submissions))
+        self.metrics.api_server_requests.inc()
         return sink
 
     def abort(self, request_ids: list[str]) -> None:
@@ -172,6 +189,7 @@ class EngineClient:
             found |= self.routes.pop(request_id, None) is not None
             self.waiting.discard(request_id)
             self.running.discard(request_id)
+        self.metrics.update_counts()
         return found
 
     def _deliver(self, deltas: list[TokenDelta]) -> None:
@@ -200,6 +218,7 @@ class EngineClient:
                     metrics.e2e_latency.observe(now - route.arrival_time)
                     self._forget([request_id])
             route.sink.put_nowait(delta)
+        metrics.update_counts()  # first tokens moved requests from waiting to running
 
     def _fail(self, request_ids: list[str], error: BaseException) -> None:
         sinks = {id(route.sink): route.sink for rid in request_ids if (route := self.routes.get(rid)) is not None}

@@ -40,7 +40,12 @@ def main(channel_fd: int) -> None:
     config: FrontendConfig = Channel(channel_socket).recv()
     sys.path.extend(path for path in config.sys_path if path not in sys.path)  # before the tokenizer's classes load
     tokenizer = pickle.loads(config.tokenizer)
-    client = EngineClient(max_waiting=config.max_waiting, stats=config.stats)
+    client = EngineClient(
+        max_waiting=config.max_waiting,
+        stats=config.stats,
+        api_server_index=config.api_server_index,
+        metrics_dir=config.metrics_dir,
+    )
     ctx = ServingContext(
         engine=client,
         tokenizer=tokenizer,

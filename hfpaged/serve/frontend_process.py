@@ -1,4 +1,4 @@
-"""The server process's handle on its HTTP front end: a child process, and the channel to it.
+"""The server process's handle on its HTTP front ends: child processes, the channels to them, their sockets.
 
 The child is a fresh interpreter (``subprocess``, not ``multiprocessing``: nothing of the caller's ``__main__``
 is re-imported, so ``hfpaged.serve(model, tokenizer)`` works from any script). It inherits two file
@@ -10,6 +10,13 @@ the front end left running is aborted and its blocks freed.
 
 The child imports ``hfpaged.serve.frontend`` without running ``hfpaged/__init__.py`` (which imports torch and
 the engine): the front end needs neither, and starts in a fraction of the time.
+
+Several front ends (``api_server_count``, as vLLM's ``--api-server-count``) each get a channel of their own
+and a listening socket: on Linux one socket per front end, all bound to the same port with ``SO_REUSEPORT``
+by this process, so that the kernel spreads incoming connections over them by a hash of the connection's
+addresses. One socket shared by all (uvicorn's ``--workers`` model) works too, but whichever event loop wakes
+first takes every connection queued at that moment (asyncio and uvloop accept in a loop until the queue is
+empty), so a burst of clients lands on one front end. Elsewhere they do share one socket.
 """
 
 from __future__ import annotations
@@ -44,11 +51,36 @@ main(int(sys.argv[2]))
 """
 
 
-class FrontendProcess:
-    """Starts the front-end process, forwards its engine commands to ``on_command``, and stops it."""
+def listening_sockets(host: str, port: int, count: int) -> list[socket.socket]:
+    """``count`` listening TCP sockets on ``host:port`` (port 0: a free one, the same for all), one per front end
+    (``SO_REUSEPORT``, Linux); one socket for all where that is not available or ``count`` is 1."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    reuse_port = count > 1 and sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count if reuse_port else 1):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, port))
+            port = sock.getsockname()[1]  # the others join the port the first one got
+            sock.listen(2048)  # connections queue up from now on, before the front end accepts them
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets if reuse_port else sockets * count
 
-    def __init__(self, on_command: Callable[[Any], None]):
+
+class FrontendProcess:
+    """Starts one front-end process, forwards its engine commands to ``on_command``, and stops it.
+    ``metrics_dir``: the ``PROMETHEUS_MULTIPROC_DIR`` shared by several front ends (None: just one)."""
+
+    def __init__(self, on_command: Callable[[Any], None], *, metrics_dir: str | None = None):
         self.on_command = on_command
+        self.metrics_dir = metrics_dir
         self.ready = threading.Event()
         self.process: subprocess.Popen | None = None
         self.channel: Channel | None = None
@@ -63,10 +95,16 @@ class FrontendProcess:
         """Start the child on ``http_socket`` and send it ``config``."""
         ours, theirs = socket_pair()
         config.http_fd = http_socket.fileno()
+        config.metrics_dir = self.metrics_dir
+        env = dict(os.environ)
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # read when the child imports prometheus_client
+        if self.metrics_dir is not None:
+            env["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-c", _BOOTSTRAP, PACKAGE_DIR, str(theirs.fileno())],
                 pass_fds=(theirs.fileno(), http_socket.fileno()),
+                env=env,
             )
         finally:
             theirs.close()
@@ -87,6 +125,11 @@ class FrontendProcess:
             pass
         finally:
             self.on_command(StopEngine())  # the front end is gone: abort what it left running
+            if self.metrics_dir is not None:  # its running/waiting gauges no longer count
+                from prometheus_client.multiprocess import mark_process_dead
+
+                with contextlib.suppress(OSError):
+                    mark_process_dead(self.process.pid, self.metrics_dir)
 
     def wait_ready(self, timeout: float) -> None:
         """Until the child accepts HTTP connections; raises if it exits or takes longer than ``timeout``."""
@@ -105,10 +148,19 @@ class FrontendProcess:
 
     def shutdown(self, timeout: float) -> None:
         """Ask the child to stop gracefully and wait ``timeout`` s for it to exit; kill it after that."""
+        self.ask_to_stop()
+        self.wait_stopped(timeout)
+
+    def ask_to_stop(self) -> None:
+        """Tell the child to stop gracefully (in-flight requests get its ``shutdown_timeout``)."""
+        if self.process is not None:
+            with contextlib.suppress(FrontendGone):
+                self.send(Shutdown())
+
+    def wait_stopped(self, timeout: float) -> None:
+        """Wait ``timeout`` s for the child to exit, kill it after that; close the channel."""
         if self.process is None:
             return
-        with contextlib.suppress(FrontendGone):
-            self.send(Shutdown())
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:

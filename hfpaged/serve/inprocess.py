@@ -40,7 +40,8 @@ def create_app(
         raise ValueError("hfpaged serve needs the model's tokenizer (pass tokenizer=)")
     if max_waiting < 1:
         raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
-    return app_over(EngineLoop(model, tokenizer), served_model_name_of(model, served_model_name), max_waiting)
+    engine_loop = EngineLoop(model, tokenizer, max_waiting=max_waiting)
+    return app_over(engine_loop, served_model_name_of(model, served_model_name), max_waiting)
 
 
 def app_over(engine_loop: EngineLoop, model_name: str, max_waiting: int) -> FastAPI:
@@ -66,8 +67,8 @@ def app_over(engine_loop: EngineLoop, model_name: str, max_waiting: int) -> Fast
             except RuntimeError:  # the event loop is closed: nobody is listening any more
                 raise FrontendGone("the event loop is closed") from None
 
-        client.connect(engine_loop.put)
-        engine_loop.start(send)
+        client.connect(engine_loop.put)  # front end 0, the only one
+        engine_loop.start([send])
         try:
             yield
         finally:

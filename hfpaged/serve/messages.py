@@ -70,7 +70,8 @@ class AbortRequests:
 
 @dataclass
 class StopEngine:
-    """Abort whatever is left, drain the step in flight, answer ``EngineStopped`` and end the engine loop."""
+    """The front end is done: abort what it left, answer ``EngineStopped``; the engine loop ends with the last one
+    (draining the step in flight first)."""
 
 
 # --- engine -> front end ----------------------------------------------------------------------------
@@ -79,7 +80,8 @@ class StopEngine:
 @dataclass
 class Added:
     """The answer to ``AddRequests``: ``error`` is None, or (kind, message) with kind "invalid" (a bad setting:
-    the engine's ValueError/TypeError, a 400) or "error" (anything else, a 500)."""
+    the engine's ValueError/TypeError, a 400), "queue_full" (``max_waiting`` over all front ends, a 429) or
+    "error" (anything else, a 500)."""
 
     tag: int
     error: tuple[str, str] | None = None
@@ -156,6 +158,8 @@ class FrontendConfig:
     shutdown_timeout: float
     log_level: str
     http_fd: int  # the listening socket, bound by the server process and inherited
+    api_server_index: int = 0  # which of the server's front-end processes this is
+    metrics_dir: str | None = None  # with several front ends: their shared PROMETHEUS_MULTIPROC_DIR
 
 
 @dataclass

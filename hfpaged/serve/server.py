@@ -1,19 +1,22 @@
-"""``Server``: the engine beside the model in this process, the HTTP front end in a process of its own.
+"""``Server``: the engine beside the model in this process, the HTTP front end in processes of their own.
 
 As vLLM splits its API server from its engine core: this process (which holds the model, so a model already
-in memory can be served) runs only the engine thread (``EngineLoop``), and a child process (``frontend``)
-runs uvicorn and everything per token that is not engine work. The two exchange small pickled messages,
-one per engine step. ``frontend_process=False`` keeps both in this process (``create_app``'s single-process
-app under uvicorn), sharing one GIL.
+in memory can be served) runs only the engine thread (``EngineLoop``), and child processes (``frontend``)
+run uvicorn and everything per token that is not engine work. They exchange small pickled messages, one per
+engine step. ``api_server_count`` front ends (vLLM's ``--api-server-count``) accept on the same port, each
+with its own channel to the engine thread, which sends every request's outputs to the front end that
+submitted it (``frontend_process`` says how the port is shared). ``frontend_process=False`` keeps HTTP in
+this process (``create_app``'s single-process app under uvicorn), sharing one GIL with the engine.
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
+import shutil
 import signal
-import socket
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -44,8 +47,10 @@ class Server:
     ``run()`` serves in the foreground until Ctrl-C / SIGTERM; ``start()`` serves in the background and returns
     once it answers, ``stop()`` ends it. On stop, in-flight requests get ``shutdown_timeout`` seconds to finish,
     the rest are aborted, and the KV pool is all free again. ``max_waiting``: requests accepted but not started
-    (no token yet) at most, one more gets a 429. ``frontend_process``: HTTP in a child process (default) or in a
-    thread of this one; ``switch_interval``: the GIL switch interval while serving single-process.
+    (no token yet) at most, over all front ends; one more gets a 429. ``frontend_process``: HTTP in child
+    processes (default) or in a thread of this one; ``api_server_count``: how many child processes serve HTTP
+    on the port (only with ``frontend_process``); ``switch_interval``: the GIL switch interval while serving
+    single-process.
     """
 
     def __init__(
@@ -61,6 +66,7 @@ class Server:
         log_level: str = "warning",
         switch_interval: float | None = DEFAULT_SWITCH_INTERVAL,
         frontend_process: bool = True,
+        api_server_count: int = 1,
     ):
         from .engine_loop import EngineLoop, model_limits, served_model_name_of
 
@@ -69,21 +75,23 @@ class Server:
         self.max_waiting = 1024 if max_waiting is None else max_waiting
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
-        engine_loop = EngineLoop(model, tokenizer)  # patches the model with defaults if it is not yet
+        if api_server_count < 1:
+            raise ValueError(f"api_server_count must be >= 1, got {api_server_count}")
+        if api_server_count > 1 and not frontend_process:
+            raise ValueError("api_server_count > 1 needs front-end processes: drop frontend_process=False")
+        # patches the model with defaults if it is not yet; the engine bounds the waiting requests of all front ends
+        engine_loop = EngineLoop(model, tokenizer, max_waiting=self.max_waiting)
         self.serving = ServedModel(
             engine_loop, tokenizer, served_model_name_of(model, served_model_name), model_limits(model)
         )
         self.host = host
-        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.socket.bind((host, port))
-        self.socket.listen(2048)  # connections queue up from now on, before the front end accepts them
-        self.port = self.socket.getsockname()[1]
         self.shutdown_timeout = shutdown_timeout
         self.log_level = log_level
         self.switch_interval = switch_interval  # sys.setswitchinterval while serving single-process (None: leave it)
         self.thread: threading.Thread | None = None  # the thread serving in this process (engine, or uvicorn)
-        self.frontend = None
+        self.frontends: list = []  # FrontendProcess, one per api server
+        self.frontend = None  # the first of them
+        self.metrics_dir: str | None = None  # several front ends share their Prometheus files there
         self.uvicorn = None
         self.pickled_tokenizer = None
         if frontend_process:
@@ -94,16 +102,32 @@ class Server:
             except Exception as error:  # e.g. a tokenizer holding a lambda or an open handle
                 logger.warning(
                     "hfpaged serve: the tokenizer cannot be pickled for the front-end process (%s: %s); serving "
-                    "HTTP from this process instead (as --single-process)",
+                    "HTTP from this process instead (as --single-process)%s",
                     type(error).__name__,
                     error,
+                    f", one front end instead of api_server_count={api_server_count}" if api_server_count > 1 else "",
                 )
                 self.pickled_tokenizer = None
                 frontend_process = False
+                api_server_count = 1
+        from .frontend_process import listening_sockets
+
+        self.sockets = listening_sockets(host, port, api_server_count)  # one per front end, or one shared
+        self.socket = self.sockets[0]
+        self.port = self.socket.getsockname()[1]
         if frontend_process:
             from .frontend_process import FrontendProcess
 
-            self.frontend = FrontendProcess(on_command=engine_loop.put)
+            if api_server_count > 1:
+                self.metrics_dir = tempfile.mkdtemp(prefix="hfpaged-metrics-")
+            self.frontends = [
+                FrontendProcess(
+                    on_command=lambda command, index=index: engine_loop.put(command, index),
+                    metrics_dir=self.metrics_dir,
+                )
+                for index in range(api_server_count)
+            ]
+            self.frontend = self.frontends[0]
         else:
             import uvicorn
 
@@ -138,17 +162,17 @@ class Server:
 
             handlers = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
         try:
-            while not stop.wait(0.2) and self.frontend.process.poll() is None:
-                pass
+            while not stop.wait(0.2) and all(frontend.process.poll() is None for frontend in self.frontends):
+                pass  # one front end that ends (a crash) stops the server
         finally:
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
             self.stop()
         for signum in reversed(captured):  # as uvicorn does: Ctrl-C ends in KeyboardInterrupt
             signal.raise_signal(signum)
-        code = self.frontend.process.returncode
-        if not captured and code not in (0, -signal.SIGINT, -signal.SIGTERM):
-            raise RuntimeError(f"the hfpaged front-end process ended with code {code}")
+        codes = [frontend.process.returncode for frontend in self.frontends]
+        if not captured and any(code not in (0, -signal.SIGINT, -signal.SIGTERM) for code in codes):
+            raise RuntimeError(f"the hfpaged front-end processes ended with codes {codes}")
 
     def start(self, timeout: float = 60.0) -> Server:
         """Serve in the background; returns when the server accepts requests."""
@@ -160,26 +184,31 @@ class Server:
         from .messages import FrontendConfig
 
         engine_loop = self.serving.engine_loop
-        config = FrontendConfig(
-            tokenizer=self.pickled_tokenizer,
-            sys_path=list(sys.path),
-            model_name=self.serving.model_name,
-            limits=self.serving.limits,
-            stats=engine_loop.stats,
-            max_waiting=self.max_waiting,
-            shutdown_timeout=self.shutdown_timeout,
-            log_level=self.log_level,
-            http_fd=-1,
-        )
-        self.frontend.spawn(config, self.socket)
-        engine_loop.start(self.frontend.send)
+        for index, (frontend, http_socket) in enumerate(zip(self.frontends, self.sockets)):
+            config = FrontendConfig(
+                tokenizer=self.pickled_tokenizer,
+                sys_path=list(sys.path),
+                model_name=self.serving.model_name,
+                limits=self.serving.limits,
+                stats=engine_loop.stats,
+                max_waiting=self.max_waiting,
+                shutdown_timeout=self.shutdown_timeout,
+                log_level=self.log_level,
+                http_fd=-1,
+                api_server_index=index,
+            )
+            frontend.spawn(config, http_socket)
+        engine_loop.start([frontend.send for frontend in self.frontends])
         self.thread = engine_loop.thread
         try:
-            self.frontend.wait_ready(timeout)
+            deadline = time.monotonic() + timeout
+            for frontend in self.frontends:
+                frontend.wait_ready(max(0.0, deadline - time.monotonic()))
         except BaseException:
             self.stop()
             raise
-        self.socket.close()  # the front end has its own copy: once it is gone, connections are refused, not queued
+        for sock in self.sockets:  # the front ends have their own copies: once gone, connections are refused
+            sock.close()
         return self
 
     def stop(self, timeout: float = 60.0) -> None:
@@ -189,13 +218,21 @@ class Server:
         else:
             from .messages import StopEngine
 
-            self.frontend.shutdown(timeout)  # the front end stops the engine as it ends
-            self.serving.engine_loop.put(StopEngine())  # in case it could not
-        if self.thread is not None:
-            self.thread.join(timeout)
-            if self.thread.is_alive():
-                raise TimeoutError(f"the hfpaged server did not stop within {timeout} s")
-        self.socket.close()
+            for frontend in self.frontends:  # all at once: each gets shutdown_timeout for its requests
+                frontend.ask_to_stop()
+            for frontend in self.frontends:  # each tells the engine it is done as it ends
+                frontend.wait_stopped(timeout)
+            self.serving.engine_loop.put(StopEngine(), source=None)  # in case one could not
+        try:
+            if self.thread is not None:
+                self.thread.join(timeout)
+                if self.thread.is_alive():
+                    raise TimeoutError(f"the hfpaged server did not stop within {timeout} s")
+        finally:
+            for sock in self.sockets:
+                sock.close()
+            if self.metrics_dir is not None:
+                shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
     def __enter__(self) -> Server:
         return self.start()
@@ -234,8 +271,10 @@ def serve(
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
     log_level: str = "info",
     frontend_process: bool = True,
+    api_server_count: int = 1,
 ) -> None:
-    """Serve ``model`` (already in memory; patched with defaults unless already patched) until interrupted."""
+    """Serve ``model`` (already in memory; patched with defaults unless already patched) until interrupted;
+    ``api_server_count`` front-end processes serve HTTP on the port (see ``Server``)."""
     server = Server(
         model,
         tokenizer,
@@ -246,6 +285,7 @@ def serve(
         shutdown_timeout=shutdown_timeout,
         log_level=log_level,
         frontend_process=frontend_process,
+        api_server_count=api_server_count,
     )
     print(f"hfpaged: serving {server.serving.model_name} on {server.url}/v1 (Ctrl-C stops)", flush=True)
     server.run()
