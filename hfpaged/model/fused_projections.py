@@ -32,7 +32,8 @@ GROUP_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def _plain_linear(module: torch.nn.Module | None) -> bool:
-    """A stock Linear with stock parameters (not PEFT, bitsandbytes, DTensor, quantized, hooked)."""
+    """A stock Linear with stock parameters (not a PEFT layer, bitsandbytes, DTensor, quantized) and no instance
+    ``forward`` (accelerate's hooks set one)."""
     if type(module) is not torch.nn.Linear or "forward" in module.__dict__:
         return False
     params = [module.weight] if module.bias is None else [module.weight, module.bias]
@@ -76,7 +77,7 @@ class FusedGroup:
                 member.weight.data = weight  # same Parameter object; its old storage is freed
                 if bias is not None:
                     member.bias.data = bias
-        self.forwards = [functools.partial(_fused_forward, self, i, m) for i, m in enumerate(self.members)]
+        self.forwards = [functools.partial(_fused_forward, self, i) for i in range(len(self.members))]
         self.input: torch.Tensor | None = None  # per step: the input of the stashed output
         self.parts: tuple[torch.Tensor, ...] = ()
         self.num_left = 0
@@ -103,6 +104,8 @@ class FusedGroup:
 
     def views(self) -> list[torch.Tensor]:
         """The members' parameters that are still slices of the buffer."""
+        if self.weight is None:
+            return []
         ranges = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in (self.weight, self.bias) if t is not None]
         params = [p for p in _params(self.members) if p.device == self.weight.device]
         return [p for p in params if any(start <= p.data_ptr() < end for start, end in ranges)]
@@ -115,7 +118,7 @@ class FusedGroup:
         self.weight = self.bias = None
 
 
-def _fused_forward(group: FusedGroup, index: int, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _fused_forward(group: FusedGroup, index: int, x: torch.Tensor) -> torch.Tensor:
     """A member's forward inside a paged step: one GEMM for the whole group, each member takes its slice."""
     if group.input is not x:
         group.input = x
