@@ -119,7 +119,6 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"tp{world}.json"), "w") as f:
             json.dump(result, f, indent=1)
-    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -8,6 +8,7 @@ saw to ``<out>/rank<r>.json`` for the test to check.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -33,6 +34,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--new-tokens", type=int, default=12)
     args = parser.parse_args()
+    faulthandler.dump_traceback_later(150, exit=True)  # a hang shows where each rank waits
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(args.device, local_rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -83,7 +85,6 @@ def main() -> None:
     result["engine"] = [tokens[i] for i in ids]
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    dist.barrier()
     dist.destroy_process_group()
 
 

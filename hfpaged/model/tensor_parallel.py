@@ -28,15 +28,14 @@ import torch.distributed as dist
 class TensorParallel:
     """The tensor-parallel group a model was sharded over, and the collectives the engine needs on it."""
 
-    group: dist.ProcessGroup
+    group: dist.ProcessGroup  # a gloo group over the model's tensor-parallel ranks (see control_group)
     rank: int  # this process's rank inside the group
     world_size: int
-    device: torch.device  # where the group's collectives take tensors (CUDA for NCCL, the CPU for gloo)
     seed_generator: torch.Generator  # seeds for unseeded sampling, identical on every rank
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's ``value``."""
-        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        tensor = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
         return int(tensor.item())
 
@@ -45,7 +44,7 @@ class TensorParallel:
 
     def check_same(self, what: str, fingerprint: int, count: int) -> None:
         """Raise ValueError on every rank unless every rank passed the same ``fingerprint``."""
-        mine = torch.tensor([fingerprint, count], dtype=torch.int64, device=self.device)
+        mine = torch.tensor([fingerprint, count], dtype=torch.int64)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(gathered, mine, group=self.group)
         values = [tuple(int(v) for v in t.tolist()) for t in gathered]
@@ -73,19 +72,35 @@ def find_tensor_parallel(model: torch.nn.Module) -> TensorParallel | None:
             f"{type(model).__name__} is sharded over a {mesh.ndim}-D device mesh {tuple(mesh.mesh_dim_names or ())}; "
             "hfpaged supports tensor parallelism over a 1-D mesh only (tp_plan without other parallel dimensions)"
         )
-    group = mesh.get_group()
-    world_size = dist.get_world_size(group)
+    model_group = mesh.get_group()
+    world_size = dist.get_world_size(model_group)
     if world_size == 1:
         return None
     check_heads(model, world_size)
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    )
-    seed = torch.tensor([int(torch.randint(0, 2**62, (1,)).item())], dtype=torch.int64, device=device)
+    group = control_group(model_group)
+    seed = torch.tensor([int(torch.randint(0, 2**62, (1,)).item())], dtype=torch.int64)
     dist.broadcast(seed, src=dist.get_global_rank(group, 0), group=group)
     generator = torch.Generator()
     generator.manual_seed(int(seed.item()))
-    return TensorParallel(group, dist.get_rank(group), world_size, device, generator)
+    return TensorParallel(group, dist.get_rank(group), world_size, generator)
+
+
+def control_group(model_group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A gloo group over ``model_group``'s ranks, for the engine's own collectives (as transformers' continuous
+    batching does): small CPU tensors, and no eager NCCL call between the NCCL calls that CUDA graphs replay."""
+    if dist.get_backend(model_group) == "gloo":
+        return model_group
+    ranks = dist.get_process_group_ranks(model_group)
+    if len(ranks) == dist.get_world_size():
+        return dist.new_group(ranks, backend="gloo")
+    every = [None] * dist.get_world_size()  # new_group is collective over the world: create every TP group's
+    dist.all_gather_object(every, ranks)
+    mine = None
+    for group_ranks in sorted({tuple(r) for r in every}):
+        created = dist.new_group(list(group_ranks), backend="gloo")
+        if dist.get_rank() in group_ranks:
+            mine = created
+    return mine
 
 
 def check_heads(model: torch.nn.Module, world_size: int) -> None:
