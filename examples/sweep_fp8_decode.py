@@ -290,7 +290,9 @@ def table(results: list[dict]) -> str:
                          f"{du or float('nan'):8.1f} {dg:6.0f} | {bdesc:>27} {best['us']:8.1f} {best['gbs']:6.0f} "
                          f"{r.get('best_speedup_vs_default', float('nan')):5.2f}")  # fmt: skip
         else:
-            lines.append(f"{KV_NAMES.get(r['kv_dtype'], r['kv_dtype']):>6} {r['batch']:4d} {r['context']:5d} | no config ran")
+            lines.append(
+                f"{KV_NAMES.get(r['kv_dtype'], r['kv_dtype']):>6} {r['batch']:4d} {r['context']:5d} | no config ran"
+            )
     # Per (batch, context): fp8 time / 16-bit-cache time, defaults and bests (0.50 = proportional to bytes).
     sixteen = {(r["batch"], r["context"]): r for r in results if not r["kv_dtype"].startswith("float8")}
     ratios = []

@@ -291,7 +291,7 @@ def _paged_attention_kernel(
 
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)  # q . (k8 * k_scale) = (q . k8) * k_scale
-        if FP8_DOT_F16:
+        if FP8_DOT_F16:  # noqa: SIM102 (two compile-time conditions; kept apart for Triton)
             if q_ptr.dtype.element_ty == tl.bfloat16:
                 # fp8 -> fp16 is exact and costs one conversion per two values; fp8 -> bf16 goes through fp16
                 # and costs three (the conversion pipe, not HBM, then bounds the loop). So both dots run in

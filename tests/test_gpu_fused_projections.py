@@ -1,4 +1,4 @@
-"""Fused q/k/v and gate/up projections on CUDA (on by default there): float32 parity through the CUDA graphs
+"""Fused q/k/v and gate/up projections on CUDA (fuse_projections=None: on for CUDA layers): float32 parity through the CUDA graphs
 (compiled too), and no second copy of the weights (run with `pytest -m gpu` on a GPU)."""
 
 import pytest
@@ -21,16 +21,20 @@ def test_cuda_float32_parity_fused(arch, compile):
     prompts = random_prompts(LENGTHS, seed=1)
     expected = reference_generate(model, prompts, max_new_tokens=24, do_sample=False)
     assert sum(len(set(e)) > 3 for e in expected) >= len(expected) // 2
-    hfpaged.patch(model, num_blocks=26, block_size=4, max_num_seqs=3, max_num_batched_tokens=24, compile=compile)
-    assert len(model._hfpaged.fused_projections.groups) == 2 * model.config.num_hidden_layers  # default: on
+    hfpaged.patch(model, num_blocks=26, block_size=4, max_num_seqs=3, max_num_batched_tokens=24, compile=compile,
+                  fuse_projections=None)  # fmt: skip
+    assert len(model._hfpaged.fused_projections.groups) == 2 * model.config.num_hidden_layers  # None: on for CUDA
     results = model.generate_many(prompts, max_new_tokens=24, do_sample=False)
     assert [r.token_ids for r in results] == expected
     assert model._hfpaged.engine.runner.num_graph_steps > 0
     assert len(model._hfpaged.fused_projections.groups) == 2 * model.config.num_hidden_layers
 
 
-def test_cuda_fusion_off_by_option():
+def test_cuda_fusion_off_by_default_and_by_option():
     model = make_model("llama").cuda()
+    hfpaged.patch(model, num_blocks=26, block_size=4)
+    assert model._hfpaged.fused_projections.groups == []
+    hfpaged.unpatch(model)
     hfpaged.patch(model, num_blocks=26, block_size=4, fuse_projections=False)
     assert model._hfpaged.fused_projections.groups == []
 
@@ -42,7 +46,7 @@ def test_gpu_memory_after_patch_within_one_percent_excluding_the_pool():
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
-    hfpaged.patch(model, num_blocks=64, block_size=16)
+    hfpaged.patch(model, num_blocks=64, block_size=16, fuse_projections=True)
     assert len(model._hfpaged.fused_projections.groups) == 16
     pool = sum(k.nbytes + v.nbytes for k, v in model._hfpaged.kv_caches)
     torch.cuda.synchronize()
