@@ -113,3 +113,12 @@ def test_data_parallel_example_returns_every_result_in_input_order(tmp_path):
     assert report["token_ids"] == expected  # both replicas' results, merged back into input order
     assert [len(t) for t in expected] == out_lens
     assert data_parallel.merge([data_parallel.split(list(range(7)), r, 3) for r in range(3)], 7) == list(range(7))
+
+
+def test_a_tensor_parallel_model_is_refused_by_the_server():
+    from hfpaged.serve.server import Server
+
+    model = make_model("llama")
+    model.model.layers[0].mlp.up_proj.weight.device_mesh = object()  # what a DTensor parameter carries
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        Server(model, object(), port=0)

@@ -103,6 +103,11 @@ def control_group(model_group: dist.ProcessGroup) -> dist.ProcessGroup:
     return mine
 
 
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether transformers sharded ``model`` over a device mesh (DTensor parameters); no collective."""
+    return any(getattr(param, "device_mesh", None) is not None for param in model.parameters())
+
+
 def check_heads(model: torch.nn.Module, world_size: int) -> None:
     """ValueError naming the counts unless the attention and KV heads split evenly over ``world_size`` ranks."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

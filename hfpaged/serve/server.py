@@ -68,10 +68,16 @@ class Server:
         frontend_process: bool = True,
         api_server_count: int = 1,
     ):
+        from ..model.tensor_parallel import is_sharded
         from .engine_loop import EngineLoop, model_limits, served_model_name_of
 
         if tokenizer is None:
             raise ValueError("hfpaged serve needs the model's tokenizer (pass tokenizer=)")
+        if is_sharded(model):
+            raise ValueError(
+                "hfpaged serve does not serve a tensor-parallel model (tp_plan): every rank would need the same "
+                "request stream; use generate_many on every rank, or data-parallel replicas behind a load balancer"
+            )
         self.max_waiting = 1024 if max_waiting is None else max_waiting
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
