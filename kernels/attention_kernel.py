@@ -298,7 +298,8 @@ def _paged_attention_kernel(
                 # fp16: q is scaled into fp16's range once per program (largest |q| -> 2^13; 3 more mantissa
                 # bits than bf16), the factor folded into qk_scale; P (in [0, 1]) is cast to fp16 for PV.
                 q32 = q.to(tl.float32)
-                q_max = tl.max(tl.max(tl.abs(q32), 1), 0)
+                q_abs = tl.abs(q32)  # the largest finite |q|: an inf/NaN element stays in its own row
+                q_max = tl.max(tl.max(tl.where(q_abs < float("inf"), q_abs, 0.0), 1), 0)
                 q_mult = tl.where(q_max > 1e-30, 8192.0 / q_max, 1.0)
                 q = (q32 * q_mult).to(tl.float16)
                 qk_scale = qk_scale / q_mult

@@ -237,3 +237,30 @@ def test_gpu_fp8_cuda_graph_decode_reads_scales_at_replay(fmt):
 
 
 assert DEVICE.type in ("cpu", "cuda")
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=[CASES[1][0], CASES[2][0]])
+def test_fp8_bf16_queries_a_non_finite_query_stays_in_its_row(case, bad):
+    # q's rescale into fp16 is taken per program (several query tokens x the heads of one KV head): one inf or
+    # NaN element (e.g. an overflowed activation) must poison only its own row, as over a bf16 cache, not the
+    # other tokens of its sequence (earlier ones included, whose K/V the prefix cache may hand to other requests)
+    _, q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, window, softcap = case
+    shape = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+    batch, _ = fp8_batch(q_lens, seq_lens, torch.float8_e4m3fn, torch.bfloat16, **shape)
+    q = batch["q"].float() * 1e5  # past fp16's range: the rescale is needed for every row
+    bad_token = q_lens[0] + 6  # the second sequence's seventh token
+    q[bad_token, 0, 3] = bad
+    batch["q"] = q.to(torch.bfloat16)
+    kwargs = dict(scale=head_dim**-0.5, sliding_window=window, softcap=softcap)
+    ref = reference64(batch, **kwargs)
+    finite = torch.ones(ref.shape[:2], dtype=torch.bool)
+    finite[bad_token, 0] = False
+    assert not ref[finite].isnan().any()
+    split = AttentionConfig(16, 16, 4, 1, num_splits=3)
+    for out in (
+        paged_attention(**batch, **kwargs),
+        paged_attention_with_config(**batch, **kwargs, config=split, out=poisoned_out(batch)),
+    ):
+        assert not out[bad_token, 0].isfinite().all()
+        assert_close(out[finite], ref[finite].to(torch.bfloat16), torch.bfloat16)
