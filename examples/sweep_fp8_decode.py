@@ -23,7 +23,6 @@ import importlib
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -94,38 +93,10 @@ def graph_time_ms(calls, device: str, target_ms: float = 2.0, replays: int = 10)
         for call in calls:
             call()
         return (time.perf_counter() - t) * 1e3 / len(calls)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for call in calls:
-        call()
-    end.record()
-    torch.cuda.synchronize()
-    per_call = max(start.elapsed_time(end) / len(calls), 1e-3)
-    rounds = max(1, min(200 // len(calls), math.ceil(target_ms / per_call / len(calls))))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(rounds):
-            for call in calls:
-                call()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / (rounds * len(calls)))
-    del graph
-    return statistics.median(times)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_kernels import graph_time_ms as replay_time_ms  # the kernel benchmark's graph-replay timing
+
+    return replay_time_ms(calls, target_ms=target_ms, replays=replays)
 
 
 # ---- problems ----------------------------------------------------------------------------------------
