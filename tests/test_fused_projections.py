@@ -224,3 +224,46 @@ def test_compiled_decode_forward_with_fused_projections_matches_stock_generate(m
     compiled_parity()  # the compiled decode steps run inside FusedProjections.step
     assert len(groups(patched[0])) == 4
     assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_a_projection_called_from_another_thread_during_a_paged_step_leaves_the_step_exact(monkeypatch):
+    # A submodule called directly from another thread (not through model(...), so not behind the forward lock)
+    # while a paged step runs meets the per-step forwards. It must not touch the step's stash: with real GEMMs
+    # (which release the GIL) its output could land in the stash and be handed to the step's next member.
+    # The interleaving is forced here: the other thread's GEMM is held until the step's v_proj is called.
+    import threading
+    from types import SimpleNamespace
+
+    import hfpaged.model.fused_projections as fused_module
+
+    model = make_model("llama", seed=1)
+    prompts = random_prompts([5, 17, 9], seed=1)
+    expected = reference_generate(model, prompts, max_new_tokens=NEW, do_sample=False)
+    patch(model)
+    attention = model.model.layers[0].self_attn
+    group = next(g for g in groups(model) if g.parent is attention)
+    y = torch.randn(1, 3, model.config.hidden_size) * 5
+    other_in_gemm, release_other = threading.Event(), threading.Event()
+    other_output = []
+    other = threading.Thread(target=lambda: other_output.append(attention.k_proj(y)))
+    real_linear = torch.nn.functional.linear
+
+    def linear(x, weight, bias=None):
+        if threading.current_thread() is other:
+            other_in_gemm.set()
+            release_other.wait(30)
+        out = real_linear(x, weight, bias)
+        if weight is group.weight and not other.is_alive() and not other_output:  # the step's first q/k/v GEMM
+            other.start()
+            other_in_gemm.wait(30)
+        return out
+
+    def before_v_proj(module, args):
+        if threading.current_thread() is not other and other.is_alive():
+            release_other.set()
+            other.join(30)
+
+    monkeypatch.setattr(fused_module, "F", SimpleNamespace(linear=linear))
+    attention.v_proj.register_forward_pre_hook(before_v_proj)
+    assert greedy(model, prompts) == expected
+    assert other_output and torch.equal(other_output[0], real_linear(y, attention.k_proj.weight))

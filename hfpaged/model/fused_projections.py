@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -78,6 +79,7 @@ class FusedGroup:
                 if bias is not None:
                     member.bias.data = bias
         self.forwards = [functools.partial(_fused_forward, self, i) for i in range(len(self.members))]
+        self.thread: int | None = None  # the thread running the paged step (other threads never use the stash)
         self.input: torch.Tensor | None = None  # per step: the input of the stashed output
         self.parts: tuple[torch.Tensor, ...] = ()
         self.num_left = 0
@@ -120,6 +122,10 @@ class FusedGroup:
 
 def _fused_forward(group: FusedGroup, index: int, x: torch.Tensor) -> torch.Tensor:
     """A member's forward inside a paged step: one GEMM for the whole group, each member takes its slice."""
+    if not torch.compiler.is_compiling() and threading.get_ident() != group.thread:
+        # a direct call from another thread during the step (not behind the forward lock): compute alone
+        weights, biases = group._slices()
+        return F.linear(x, weights[index], biases[index])
     if group.input is not x:
         group.input = x
         group.parts = F.linear(x, group.weight, group.bias).split(group.sizes, dim=-1)
@@ -148,6 +154,7 @@ class FusedProjections:
             # members still viewing a buffer get their own storage at unfuse; the others' buffers are freed now
             self.broken += [group for group in broken if group.views()]
         for group in self.groups:
+            group.thread = threading.get_ident()
             for member, forward in zip(group.members, group.forwards):
                 member.__dict__["forward"] = forward
         try:
@@ -155,6 +162,7 @@ class FusedProjections:
         finally:
             for group in self.groups:
                 group.clear()
+                group.thread = None
                 for member in group.members:
                     member.__dict__.pop("forward", None)
 
