@@ -11,6 +11,7 @@ import os
 import pickle
 import re
 import signal
+import socket
 import threading
 import time
 
@@ -356,3 +357,26 @@ def test_several_front_ends_need_front_end_processes(model, tokenizer, caplog, m
     srv.stop()
     assert srv.frontends == [] and len(srv.sockets) == 1
     assert "cannot be pickled" in caplog.text and "instead of api_server_count=2" in caplog.text
+
+
+@pytest.mark.skipif(not hasattr(socket, "SO_REUSEPORT"), reason="SO_REUSEPORT only")
+def test_several_front_ends_never_join_a_port_another_server_listens_on():
+    # The front ends' sockets share their port through SO_REUSEPORT; a second server (another process of the
+    # same user, e.g. one started twice) asking for a port already taken must fail as with one front end, not
+    # join the first one's socket group and take a share of its connections.
+    from hfpaged.serve.frontend_process import listening_sockets
+
+    first = listening_sockets("127.0.0.1", 0, 2)
+    try:
+        port = first[0].getsockname()[1]
+        for count in (1, 2):
+            with pytest.raises(OSError):
+                for sock in listening_sockets("127.0.0.1", port, count):
+                    sock.close()
+    finally:
+        for sock in first:
+            sock.close()
+    again = listening_sockets("127.0.0.1", port, 2)  # the port is free again once the first group is closed
+    assert [sock.getsockname()[1] for sock in again] == [port, port]
+    for sock in again:
+        sock.close()

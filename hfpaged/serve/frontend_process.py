@@ -57,6 +57,11 @@ def listening_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     reuse_port = count > 1 and sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
     sockets: list[socket.socket] = []
+    if reuse_port:  # a port another process listens on (with SO_REUSEPORT too) must fail here, not be joined
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+            port = probe.getsockname()[1]
     try:
         for _ in range(count if reuse_port else 1):
             sock = socket.socket(family, socket.SOCK_STREAM)
