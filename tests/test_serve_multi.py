@@ -380,3 +380,24 @@ def test_several_front_ends_never_join_a_port_another_server_listens_on():
     assert [sock.getsockname()[1] for sock in again] == [port, port]
     for sock in again:
         sock.close()
+
+
+def test_a_front_end_that_cannot_start_leaves_no_process_socket_or_metrics_dir(model, tokenizer, monkeypatch):
+    from hfpaged.serve.frontend_process import FrontendProcess
+
+    real_spawn = FrontendProcess.spawn
+    spawned = []
+
+    def spawn(self, config, http_socket):
+        if spawned:
+            raise OSError("no more processes")
+        spawned.append(self)
+        real_spawn(self, config, http_socket)
+
+    monkeypatch.setattr(FrontendProcess, "spawn", spawn)
+    srv = Server(model, tokenizer, port=0, served_model_name=MODEL_NAME, api_server_count=2)
+    with pytest.raises(OSError, match="no more processes"):
+        srv.start()
+    assert spawned[0].process.poll() is not None  # not left serving the port with no engine thread behind it
+    assert not os.path.exists(srv.metrics_dir)
+    assert all(sock.fileno() == -1 for sock in srv.sockets)

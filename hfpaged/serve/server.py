@@ -190,20 +190,26 @@ class Server:
         from .messages import FrontendConfig
 
         engine_loop = self.serving.engine_loop
-        for index, (frontend, http_socket) in enumerate(zip(self.frontends, self.sockets)):
-            config = FrontendConfig(
-                tokenizer=self.pickled_tokenizer,
-                sys_path=list(sys.path),
-                model_name=self.serving.model_name,
-                limits=self.serving.limits,
-                stats=engine_loop.stats,
-                max_waiting=self.max_waiting,
-                shutdown_timeout=self.shutdown_timeout,
-                log_level=self.log_level,
-                http_fd=-1,
-                api_server_index=index,
-            )
-            frontend.spawn(config, http_socket)
+        try:
+            for index, (frontend, http_socket) in enumerate(zip(self.frontends, self.sockets)):
+                config = FrontendConfig(
+                    tokenizer=self.pickled_tokenizer,
+                    sys_path=list(sys.path),
+                    model_name=self.serving.model_name,
+                    limits=self.serving.limits,
+                    stats=engine_loop.stats,
+                    max_waiting=self.max_waiting,
+                    shutdown_timeout=self.shutdown_timeout,
+                    log_level=self.log_level,
+                    http_fd=-1,
+                    api_server_index=index,
+                )
+                frontend.spawn(config, http_socket)
+        except BaseException:
+            for frontend in self.frontends:  # no engine thread yet to stop them gracefully: end those started
+                frontend.wait_stopped(0)
+            self.stop(0)  # sockets, metrics dir
+            raise
         engine_loop.start([frontend.send for frontend in self.frontends])
         self.thread = engine_loop.thread
         try:
