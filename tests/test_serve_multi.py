@@ -21,18 +21,11 @@ import pytest
 from bpe_tokenizer import make_tokenizer
 from models import make_model
 from openai import AsyncOpenAI, OpenAI
+from test_serve import CHAT_TEMPLATE, MODEL_NAME, NO_EOS, TEXTS  # the same model name, template and texts
 
 import hfpaged
 from hfpaged.serve import Server
 from hfpaged.serve.cli import build_parser, serve_command
-
-MODEL_NAME = "tiny-llama"
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
-NO_EOS = {"2": -100}  # keeps the random model from ending early: lengths are exact
-TEXTS = ["the stop sign", "question: what is", "stars and", "a quick brown fox", "café naïve", "stop here"]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +36,7 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def model(tokenizer):
+def model(tokenizer):  # test_serve.py's model, in a module of its own
     m = make_model("llama", vocab_size=len(tokenizer), seed=3)
     hfpaged.patch(m, num_blocks=160, block_size=4, max_num_seqs=32, tokenizer=tokenizer)
     return m
