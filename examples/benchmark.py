@@ -15,7 +15,8 @@ Workloads:
   long   32 requests, prompt length ~ U[4096, 8192], 128 new tokens each: prefill-bound.
 (--requests N gives every workload N requests instead.) --sections cold measures the cold start: a fresh
 process loads the model, patches it and times the first generate_many (8 chat prompts, 16 new tokens),
-with empty Triton/Inductor caches and then again with the caches that run filled.
+with empty Triton/Inductor/hfpaged-compile caches and then again with the caches that run filled (with
+--compile also with the hfpaged compile cache alone filled).
 Stock generate runs padded batches of 64 on a subset (--stock-requests), counting only each
 request's own tokens. Also: batch-1 decode latency against the weight-bandwidth roofline, the share
 of allocated KV slots holding real tokens during the hfpaged run, and (--prefix) prefix caching
@@ -146,18 +147,22 @@ WORKLOAD_REQUESTS = {"nano": 256, "chat": 256, "churn": 1000, "long": 32}
 
 
 def cold_start(name: str, compile: bool) -> dict:
-    """Patch -> first result in a fresh process: with empty kernel caches ("cold"), then with the caches that
-    first process filled ("warm")."""
+    """Patch -> first result in a fresh process: with empty kernel caches ("cold": empty Triton, Inductor and
+    hfpaged compile caches), then with the caches that first process filled ("warm"); with ``compile`` also
+    with only the hfpaged compile cache filled ("hfpaged_cache_only": fresh Triton and Inductor directories,
+    as on a new machine that keeps ~/.cache)."""
     import subprocess
     import tempfile
 
     results = {}
     with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ)
-        env["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
-        env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor")
         command = [sys.executable, os.path.abspath(__file__), "--cold-start-child", name] + (["--compile"] * compile)
-        for label in ("cold", "warm"):
+        command += ["--compile-cache-dir", os.path.join(cache, "hfpaged")]
+        runs = [("cold", "1"), ("warm", "1")] + ([("hfpaged_cache_only", "2")] if compile else [])
+        for label, generation in runs:
+            env = dict(os.environ)
+            env["TRITON_CACHE_DIR"] = os.path.join(cache, "triton" + generation)
+            env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor" + generation)
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
             lines = [line for line in done.stdout.splitlines() if line.startswith("COLD_START ")]
             if done.returncode != 0 or not lines:
@@ -168,20 +173,26 @@ def cold_start(name: str, compile: bool) -> dict:
     return results
 
 
-def cold_start_child(name: str, compile: bool) -> None:
+def cold_start_child(name: str, compile: bool, compile_cache_dir: str | None = None) -> None:
     import hfpaged
 
     start = time.perf_counter()
     model = build_model(name, torch.bfloat16)
     torch.cuda.synchronize()
     loaded = time.perf_counter()
-    hfpaged.patch(model, compile=compile)
+    hfpaged.patch(model, compile=compile, compile_cache_dir=compile_cache_dir)
     patched = time.perf_counter()
     prompts, _ = workload("chat", 8, model.config.vocab_size)
     model.generate_many(prompts, max_new_tokens=16, do_sample=False)
     torch.cuda.synchronize()
     done = time.perf_counter()
     times = {"load_s": loaded - start, "patch_s": patched - loaded, "patch_to_first_result_s": done - loaded}
+    if compile:
+        from torch._dynamo.utils import counters
+
+        times["dynamo_graphs"] = counters["stats"]["unique_graphs"]
+        times["fxgraph_cache_hit"] = counters["inductor"]["fxgraph_cache_hit"]
+        times["fxgraph_cache_miss"] = counters["inductor"]["fxgraph_cache_miss"]
     print("COLD_START " + json.dumps(times), flush=True)
 
 
@@ -579,6 +590,11 @@ def table(results, bandwidth):
             lines.append(
                 f"{r['model']:14} cold start, patch -> first result: {cold['cold']['patch_to_first_result_s']:.1f} s "
                 f"with empty caches, {cold['warm']['patch_to_first_result_s']:.1f} s with warm caches"
+                + (
+                    f", {cold['hfpaged_cache_only']['patch_to_first_result_s']:.1f} s with only the hfpaged compile cache"
+                    if "hfpaged_cache_only" in cold
+                    else ""
+                )
             )
         if "batch1" in r:
             b = r["batch1"]
@@ -652,6 +668,7 @@ def main(argv=None):
     )
     parser.add_argument("--requests", type=int, help="requests per workload (default: 256, churn 1000, long 32)")
     parser.add_argument("--cold-start-child", metavar="MODEL", help=argparse.SUPPRESS)
+    parser.add_argument("--compile-cache-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--gb-requests", type=int, default=256, help="requests given to generate_batch (0: skip)")
     parser.add_argument("--stock-requests", type=int, default=64, help="requests given to stock generate (0: skip)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -663,7 +680,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("benchmark.py needs a CUDA GPU")
     if args.cold_start_child:
-        cold_start_child(args.cold_start_child, args.compile)
+        cold_start_child(args.cold_start_child, args.compile, args.compile_cache_dir)
         return
     os.makedirs(args.out, exist_ok=True)
     import transformers

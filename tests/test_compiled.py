@@ -1,7 +1,8 @@
 """The torch.compile decode path (patch(..., compile=True)): custom ops + metadata as forward kwargs.
 
 On the GPU the runner captures this compiled forward in its decode CUDA graphs (tests/test_gpu_engine.py);
-here it runs on the CPU, Triton kernels interpreted, and must decode exactly like stock generate.
+here it runs on the CPU, Triton kernels interpreted, and must decode exactly like stock generate. The
+decoder layers are compiled as one region each, sharing one graph per distinct layer kind.
 """
 
 import pytest
@@ -10,15 +11,13 @@ from models import make_model, random_prompts, reference_generate
 
 import hfpaged
 from hfpaged.core.runner_output import ModelRunnerOutput
+from hfpaged.model import custom_ops
 from hfpaged.model.input_batch import device_views
 
 
-@pytest.mark.slow
-def test_compiled_decode_forward_matches_stock_generate():
-    model = make_model("llama")
-    prompts = random_prompts([5, 9, 3], seed=1)
-    expected = reference_generate(model, prompts, max_new_tokens=6, do_sample=False)
-    # the test drives scheduler and runner itself after the prefill: no step may be left in flight
+def compiled_decode(model, prompts, max_new_tokens=6, max_steps=None, **options):
+    """Prefill eagerly, then drive scheduler and runner through the compiled decode forward (no step may be left
+    in flight); (generated ids per prompt, the runner)."""
     hfpaged.patch(
         model,
         num_blocks=64,
@@ -27,15 +26,17 @@ def test_compiled_decode_forward_matches_stock_generate():
         enable_prefix_caching=False,
         async_scheduling=False,
         compile=True,
+        **{"compile_cache_dir": "", **options},
     )
     engine = hfpaged.Engine(model)
     for p in prompts:
-        engine.add_request(p, max_new_tokens=6, do_sample=False)
+        engine.add_request(p, max_new_tokens=max_new_tokens, do_sample=False)
     engine.step()  # prefill, eager
     core = engine.core
     requests = list(core.scheduler.running)
     runner = core.runner
-    while core.has_unfinished():
+    num_steps = 0
+    while core.has_unfinished() and (max_steps is None or num_steps < max_steps):
         out = core.scheduler.schedule()
         assert all(s.num_tokens == 1 for s in out.scheduled)
         runner.batch.update(out)
@@ -47,7 +48,75 @@ def test_compiled_decode_forward_matches_stock_generate():
             state.append_token(token)  # what reading a StepResult does
         request_ids = [state.request_id for state in host.sample_states]
         core.scheduler.update_from_output(out, ModelRunnerOutput(request_ids, tokens))
+        num_steps += 1
+    return [r.output_token_ids for r in requests], runner
+
+
+@pytest.mark.slow
+def test_compiled_decode_forward_matches_stock_generate():
+    model = make_model("llama")
+    prompts = random_prompts([5, 9, 3], seed=1)
+    expected = reference_generate(model, prompts, max_new_tokens=6, do_sample=False)
+    generated, runner = compiled_decode(model, prompts)
     assert runner._compiled is not None
-    assert [r.output_token_ids for r in requests] == expected
+    assert generated == expected
     st = hfpaged.stats(model)
     assert st["num_free_blocks"] == st["num_blocks"]
+
+
+def _num_compiled(function) -> int:
+    """How many compiled entries dynamo holds for ``function``'s code (one per graph it compiled for it)."""
+    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(function.__code__))
+
+
+def test_identical_layers_share_one_compiled_graph():
+    torch._dynamo.reset()
+    model = make_model("llama", num_hidden_layers=6)
+    prompts = random_prompts([5, 9, 3], seed=1)
+    expected = reference_generate(model, prompts, max_new_tokens=2, do_sample=False)
+    generated, runner = compiled_decode(model, prompts, max_new_tokens=2)
+    assert generated == expected
+    blocks, others = custom_ops.compile_regions(model)
+    assert blocks == list(model.model.layers)
+    assert model.model.norm in others and model.model.embed_tokens not in others
+    assert _num_compiled(custom_ops._call_block) == 1  # six layers, one graph
+    assert all("forward" not in layer.__dict__ for layer in blocks + others)  # stock calls run uncompiled
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,num_kinds", [("qwen3", 1), ("gemma2", 2)])  # gemma2: sliding and full layers
+def test_regional_compile_matches_stock_generate(arch, num_kinds):
+    torch._dynamo.reset()
+    model = make_model(arch, num_hidden_layers=4)
+    prompts = random_prompts([5, 9, 3], seed=2)
+    expected = reference_generate(model, prompts, max_new_tokens=5, do_sample=False)
+    assert len({tuple(e) for e in expected}) > 1 or len(set(expected[0])) > 1  # the continuation varies
+    generated, _ = compiled_decode(model, prompts, max_new_tokens=5)
+    assert generated == expected
+    assert _num_compiled(custom_ops._call_block) == num_kinds
+
+
+def test_stock_forward_after_compiled_step_is_unchanged():
+    torch._dynamo.reset()
+    model = make_model("llama", num_hidden_layers=3)
+    ids = torch.tensor([random_prompts([7], seed=3)[0]])
+    with torch.no_grad():
+        before = model(ids).logits
+    compiled_decode(model, random_prompts([4, 6], seed=4), max_new_tokens=2, max_steps=1)
+    frames = torch._dynamo.utils.counters["frames"]["total"]
+    with torch.no_grad():
+        after = model(ids).logits
+    assert torch.equal(before, after)
+    assert torch._dynamo.utils.counters["frames"]["total"] == frames  # the stock forward ran nothing compiled
+
+
+@pytest.mark.slow
+def test_whole_model_fallback_without_a_layer_list(monkeypatch):
+    monkeypatch.setattr(custom_ops, "compile_regions", lambda model: ([], []))
+    torch._dynamo.reset()
+    model = make_model("llama")
+    prompts = random_prompts([5, 3], seed=1)
+    expected = reference_generate(model, prompts, max_new_tokens=2, do_sample=False)
+    generated, _ = compiled_decode(model, prompts, max_new_tokens=2)
+    assert generated == expected
+    assert _num_compiled(custom_ops._call_block) == 0

@@ -22,6 +22,8 @@ class EngineConfig:
     enforce_eager: bool = False  # True: never capture CUDA graphs
     async_scheduling: bool = True  # overlap the host's work for the next step with the device's current step
     compile: bool = False  # torch.compile the decode forward captured in the CUDA graphs (CUDA + Triton only)
+    compile_cache_dir: str | None = None  # compile=True: torch.compile artifacts on disk, keyed by model config,
+    # dtype, device and versions; None: ~/.cache/hfpaged/compile; "": no hfpaged cache (torch's own stays)
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     swap_space: float | None = None  # GiB of pinned CPU memory for swapped-out blocks; None: as many blocks
@@ -62,6 +64,8 @@ class EngineConfig:
             self._check_kv_cache_scales()
         if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):
             raise ValueError(f"fuse_projections must be True, False or None, got {self.fuse_projections!r}")
+        if self.compile_cache_dir is not None and not isinstance(self.compile_cache_dir, str):
+            raise ValueError(f"compile_cache_dir must be a path, '' or None, got {self.compile_cache_dir!r}")
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
 

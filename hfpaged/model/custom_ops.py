@@ -1,17 +1,27 @@
 """torch.compile support: the Triton kernels as opaque custom ops, and a compiled decode forward.
 
-With ``patch(..., compile=True)`` the decode CUDA graphs capture a ``torch.compile``-d call of the
-unmodified model (inductor fuses its norms, RoPE, activations and residual adds) around our two
-custom ops. Step metadata then reaches the attention function as forward kwargs (transformers passes
-extra kwargs down to the attention interface), so one dynamic-shape compile serves every bucket. The
-compiled function takes the model as an argument (it keeps no reference to it) and calls the model
-class's own ``forward``: the forward-lock wrapper ``patch`` installs is not traced (the caller holds the
-lock), and graphs are single-device only, so no top-level module hooks are skipped that matter.
+With ``patch(..., compile=True)`` the decode CUDA graphs capture a forward of the unmodified model whose
+repeated blocks (the decoder layers) run ``torch.compile``-d code: inductor fuses their norms, RoPE,
+activations and residual adds around our two custom ops. Step metadata reaches the attention function as
+forward kwargs (transformers passes extra kwargs down to the attention interface), so one dynamic-shape
+compile serves every bucket.
+
+Regional compilation (PyTorch's recipe for repeated blocks): the model's own forward runs eagerly, and only
+while it runs does each decoder layer (and each other module beside the layer list, e.g. the final norm and
+the rotary embedding) get an instance ``forward`` that calls one shared compiled function with the module as
+an argument. Parameters are graph inputs (dynamo inlines nn modules), so the guards check the layer's class,
+shapes and the constants it reads, not its identity: identical layers share ONE graph (Gemma2's sliding and
+full layers compile one each), which cuts compile time by about the number of layers. The compiled
+functions keep no reference to the model; the instance forwards are removed when the forward returns, so
+stock calls run exactly as unpatched. A model whose attention modules sit in no ``ModuleList`` falls back to
+compiling the whole forward, as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -127,12 +137,94 @@ def compiled_attention(module, query, key, value, scaling, sliding_window, softc
     return out.unsqueeze(0)
 
 
-def compile_decode_forward(max_seqlen_k: int) -> Callable:
-    """A compiled ``(model, input_ids, position_ids, slots, block_tables, seq_lens, cu_seqlens_q) -> logits``."""
-    register_custom_ops()
+# modules beside the layer list that gain nothing from compiling: one kernel each (or none)
+_NOT_COMPILED = (torch.nn.Embedding, torch.nn.Linear, torch.nn.Dropout, torch.nn.Identity, torch.nn.ModuleList)
+
+
+def _call_block(module: torch.nn.Module, *args, **kwargs):
+    """A decoder layer's own forward (compiled once, shared by every layer of the model)."""
+    return type(module).forward(module, *args, **kwargs)
+
+
+def _call_other(module: torch.nn.Module, *args, **kwargs):
+    """Another module's own forward (a code object of its own: its recompiles do not count against the layers')."""
+    return type(module).forward(module, *args, **kwargs)
+
+
+def compile_regions(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+    """(decoder layers, other modules) to compile: the elements of the innermost ``ModuleList`` that holds each
+    attention module, and the modules beside that list (norms, rotary embeddings; not embeddings or linears)."""
+    lists: dict[str, torch.nn.ModuleList] = {}
+    blocks: dict[int, torch.nn.Module] = {}
+    parents: dict[int, torch.nn.Module] = {}
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        if "_hfpaged_kv" not in module.__dict__:
+            continue
+        parts = name.split(".")
+        for end in range(len(parts) - 1, 0, -1):  # the innermost ModuleList above the attention module
+            parent = modules.get(".".join(parts[: end - 1]) if end > 1 else "")
+            owner = modules.get(".".join(parts[:end]))
+            if isinstance(owner, torch.nn.ModuleList) and end < len(parts):
+                block = owner[int(parts[end])] if parts[end].isdigit() else None
+                if block is not None:
+                    blocks[id(block)] = block
+                    lists[".".join(parts[:end])] = owner
+                    if parent is not None:
+                        parents[id(parent)] = parent
+                break
+    listed = {id(m) for m in lists.values()}
+    others = [
+        child
+        for parent in parents.values()
+        for child in parent.children()
+        if id(child) not in listed and not isinstance(child, _NOT_COMPILED) and id(child) not in blocks
+    ]
+    return list(blocks.values()), others
+
+
+def _mark_caches_static(model: torch.nn.Module) -> None:
+    """The KV caches' shapes are fixed: static dims keep dynamo from tying a batch size to one of them by chance
+    (duck sizing: 3 requests + 1 = block size 4 made a guard that the next batch size failed)."""
+    for module in model.modules():
+        for tensor in module.__dict__.get("_hfpaged_kv", ()):
+            torch._dynamo.mark_static(tensor)
+        scales = module.__dict__.get("_hfpaged_kv_scale")
+        for tensor in scales or ():
+            torch._dynamo.mark_static(tensor)
+
+
+@contextmanager
+def _compiled_forwards(regions: list[tuple[torch.nn.Module, Callable]]) -> Iterator[None]:
+    """Give each module an instance ``forward`` calling its compiled function, for one forward; a module that
+    already has an instance ``forward`` (accelerate's hooks set one) keeps it and runs eagerly."""
+    installed = []
+    for module, compiled in regions:
+        if "forward" in module.__dict__:
+            continue
+        module.__dict__["forward"] = functools.partial(compiled, module)
+        installed.append(module)
+    try:
+        yield
+    finally:
+        for module in installed:
+            module.__dict__.pop("forward", None)
+
+
+class CompiledDecodeForward:
+    """``(model, input_ids, position_ids, slots, block_tables, seq_lens, cu_seqlens_q) -> logits`` of a decode
+    step, its repeated blocks compiled (``regional``, the default) or the whole forward compiled."""
+
+    def __init__(self, max_seqlen_k: int, regional: bool = True):
+        register_custom_ops()
+        self.max_seqlen_k = max_seqlen_k
+        self.regional = regional
+        self.block_forward = torch.compile(_call_block, dynamic=True)
+        self.other_forward = torch.compile(_call_other, dynamic=True)
+        self.whole_forward = torch.compile(self._forward, dynamic=True)
 
     @torch.no_grad()
-    def forward(model, input_ids, position_ids, slot_mapping, block_tables, seq_lens, cu_seqlens_q):
+    def _forward(self, model, input_ids, position_ids, slot_mapping, block_tables, seq_lens, cu_seqlens_q):
         output = type(model).forward(
             model,
             input_ids=input_ids,
@@ -144,8 +236,20 @@ def compile_decode_forward(max_seqlen_k: int) -> Callable:
             hfpaged_seq_lens=seq_lens,
             hfpaged_cu_seqlens_q=cu_seqlens_q,
             hfpaged_max_seqlen_q=1,
-            hfpaged_max_seqlen_k=max_seqlen_k,
+            hfpaged_max_seqlen_k=self.max_seqlen_k,
         )
         return output.logits[0]
 
-    return torch.compile(forward, dynamic=True)
+    def __call__(self, model, *step_tensors) -> torch.Tensor:
+        _mark_caches_static(model)
+        blocks, others = compile_regions(model) if self.regional else ([], [])
+        if not blocks:
+            return self.whole_forward(model, *step_tensors)
+        regions = [(m, self.block_forward) for m in blocks] + [(m, self.other_forward) for m in others]
+        with _compiled_forwards(regions):
+            return self._forward(model, *step_tensors)
+
+
+def compile_decode_forward(max_seqlen_k: int, regional: bool = True) -> CompiledDecodeForward:
+    """The compiled decode forward (compiles lazily, at its first call)."""
+    return CompiledDecodeForward(max_seqlen_k, regional)

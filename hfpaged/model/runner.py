@@ -61,6 +61,7 @@ class ModelRunner:
         self.mixed_graphs: StepGraphs | None = None  # steps with prefill tokens, by token bucket
         self.use_mixed_graphs = True  # off once their capture ran out of memory
         self._compiled = None
+        self._compile_cache = None  # compile=True: the on-disk artifacts (compile_cache.py), found at first use
         self._warmed = False
         self.num_graph_steps = 0
         self.num_eager_steps = 0
@@ -219,13 +220,11 @@ class ModelRunner:
         if not self.config.compile:
             return self.forward(step, logits_indices=0)  # every token of a decode batch is sampled
         if self._compiled is None:
-            from .custom_ops import compile_decode_forward
-
-            self._compiled = compile_decode_forward(self.graph_width * self.block_size)
+            self._compiled = self._compile_decode_forward()
         meta = step.metadata  # reaches the attention as forward kwargs: no step context needed
         fused = fused_step(self.state.fused_projections)
         with paged_forward(self.state.attn_configs, self.state.forward_lock), eval_mode(self.model), fused:
-            return self._compiled(
+            logits = self._compiled(
                 self.model,
                 step.input_ids,
                 step.position_ids,
@@ -234,6 +233,30 @@ class ModelRunner:
                 meta.seq_lens,
                 meta.cu_seqlens_q,
             )
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if self._compile_cache is not None and not capturing:
+            self._compile_cache.save()  # writes only when this forward compiled something the file lacks
+        return logits
+
+    def _compile_decode_forward(self):
+        """The compiled decode forward, its on-disk artifacts loaded first (``compile_cache_dir``)."""
+        from .compile_cache import CompileCache
+        from .custom_ops import compile_decode_forward
+
+        max_seqlen_k = self.graph_width * self.block_size
+        if self._compile_cache is None:
+            options = {
+                "block_size": self.block_size,
+                "max_seqlen_k": max_seqlen_k,
+                "kv_cache_dtype": self.config.kv_cache_dtype,
+                "fuse_projections": bool(getattr(self.state.fused_projections, "groups", None)),
+            }
+            self._compile_cache = CompileCache.for_model(
+                self.model, self.device, self.config.compile_cache_dir, options
+            )
+        if self._compile_cache is not None:
+            self._compile_cache.load()
+        return compile_decode_forward(max_seqlen_k)
 
     def capture_graphs(self, mixed: bool = False) -> StepGraphs | None:
         """The decode CUDA graphs (``mixed``: those of steps with prefill tokens), captured now if they are not
