@@ -19,6 +19,7 @@ on-disk cache (``~/.triton/cache``), keyed by source, options and device.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -42,8 +43,10 @@ def default_dir() -> str:
 def _versions() -> dict[str, str | None]:
     import transformers
 
-    from .. import __version__
-
+    try:
+        hfpaged_version = importlib.metadata.version("hfpaged")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        hfpaged_version = None
     try:
         import triton
 
@@ -51,7 +54,7 @@ def _versions() -> dict[str, str | None]:
     except ImportError:
         triton_version = None
     return {
-        "hfpaged": __version__,
+        "hfpaged": hfpaged_version,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "triton": triton_version,
