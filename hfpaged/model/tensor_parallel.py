@@ -19,6 +19,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,6 @@ class TensorParallel:
     """The tensor-parallel group a model was sharded over, and the collectives the engine needs on it."""
 
     group: dist.ProcessGroup  # a gloo group over the model's tensor-parallel ranks (see control_group)
-    rank: int  # this process's rank inside the group
     world_size: int
     seed_generator: torch.Generator  # seeds for unseeded sampling, identical on every rank
 
@@ -58,13 +58,7 @@ class TensorParallel:
 
 def find_tensor_parallel(model: torch.nn.Module) -> TensorParallel | None:
     """The model's tensor-parallel group if transformers sharded it over more than one rank, else None."""
-    mesh = None
-    for param in model.parameters():
-        mesh = getattr(param, "device_mesh", None)  # DTensor parameters carry their mesh
-        if mesh is not None:
-            break
-    if mesh is None:
-        mesh = getattr(model, "_device_mesh", None)
+    mesh = device_mesh(model)
     if mesh is None or not dist.is_available() or not dist.is_initialized():
         return None
     if mesh.ndim != 1:
@@ -82,7 +76,7 @@ def find_tensor_parallel(model: torch.nn.Module) -> TensorParallel | None:
     dist.broadcast(seed, src=dist.get_global_rank(group, 0), group=group)
     generator = torch.Generator()
     generator.manual_seed(int(seed.item()))
-    return TensorParallel(group, dist.get_rank(group), world_size, generator)
+    return TensorParallel(group, world_size, generator)
 
 
 def control_group(model_group: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -103,9 +97,18 @@ def control_group(model_group: dist.ProcessGroup) -> dist.ProcessGroup:
     return mine
 
 
+def device_mesh(model: torch.nn.Module) -> Any:
+    """The device mesh transformers sharded ``model`` over (its DTensor parameters carry it), or None."""
+    for param in model.parameters():
+        mesh = getattr(param, "device_mesh", None)
+        if mesh is not None:
+            return mesh
+    return getattr(model, "_device_mesh", None)
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether transformers sharded ``model`` over a device mesh (DTensor parameters); no collective."""
-    return any(getattr(param, "device_mesh", None) is not None for param in model.parameters())
+    """Whether transformers sharded ``model`` over a device mesh; no collective."""
+    return device_mesh(model) is not None
 
 
 def check_heads(model: torch.nn.Module, world_size: int) -> None:
