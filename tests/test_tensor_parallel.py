@@ -44,6 +44,10 @@ def check_ranks(results: list[dict], num_kv_heads: int) -> None:
         assert result["mismatch_error"] and "different requests" in result["mismatch_error"]
         assert result["max_time_error"] and "max_time" in result["max_time_error"]
         assert result["free_after"][0] == result["free_after"][1]
+        assert result["expected_changed"] != result["expected"]  # the change matters...
+        assert result["greedy_changed"] == result["expected_changed"]  # ...and no stale prefix block is reused
+        assert result["greedy_swap"] == result["expected_changed"]
+        assert result["swapped_out"] > 0 and result["free_after_swap"][0] == result["free_after_swap"][1]
     assert first["preemptions"] > 0  # the small pool forced preemption, and the ranks stayed in step
     assert first["sampled"] != first["expected"]
 

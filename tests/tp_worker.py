@@ -1,7 +1,8 @@
 """One rank of the tensor-parallel tests (run by tests/test_tensor_parallel.py under torchrun).
 
 Loads the checkpoint twice: unsharded (the TP=1 reference: stock ``generate``) and with ``tp_plan="auto"``
-(sharded over the ranks), patches the sharded one with a pool small enough to preempt, and writes what it
+(sharded over the ranks), patches the sharded one with a pool small enough to preempt (recompute, then swap
+after the weights change in place), and writes what it
 saw to ``<out>/rank<r>.json`` for the test to check.
 """
 
@@ -83,6 +84,21 @@ def main() -> None:
         for output in engine.step():
             tokens[output.request_id].extend(output.new_token_ids)
     result["engine"] = [tokens[i] for i in ids]
+
+    # weights changed in place on every rank (as an optimizer step would): the prompts' cached prefix blocks
+    # hold old-weight K/V and must not be reused; then the same with swap preemption instead of recompute
+    with torch.no_grad():
+        for (name, param), ref_param in zip(sharded.named_parameters(), reference.parameters()):
+            if name.endswith("mlp.down_proj.weight"):
+                param.mul_(-1.0)
+                ref_param.mul_(-1.0)
+    result["expected_changed"] = reference_generate(reference, prompts, max_new_tokens=args.new_tokens, do_sample=False)
+    result["greedy_changed"] = ids_of(sharded.generate_many(prompts, max_new_tokens=args.new_tokens, do_sample=False))
+    hfpaged.patch(sharded, block_size=4, max_num_seqs=4, preemption_mode="swap", **pool)
+    result["greedy_swap"] = ids_of(sharded.generate_many(prompts, max_new_tokens=args.new_tokens, do_sample=False))
+    stats = hfpaged.stats(sharded)
+    result["swapped_out"] = stats.get("num_swapped_out", 0)
+    result["free_after_swap"] = [stats["num_free_blocks"], stats["num_blocks"]]
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     # On two H200s, destroy_process_group() hung after a run whose CUDA graphs replayed NCCL calls (the graphs
