@@ -2,8 +2,7 @@
 
 Loads the checkpoint twice: unsharded (the TP=1 reference: stock ``generate``) and with ``tp_plan="auto"``
 (sharded over the ranks), patches the sharded one with a pool small enough to preempt (recompute, then swap
-after the weights change in place), and writes what it
-saw to ``<out>/rank<r>.json`` for the test to check.
+after the weights change in place), and writes what it saw to ``<out>/rank<r>.json`` for the test to check.
 """
 
 from __future__ import annotations
