@@ -27,7 +27,15 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark import MODELS, batch1_latency, build_model, run_generate_batch, run_hfpaged, workload
+from benchmark import (
+    MODELS,
+    batch1_latency,
+    build_model,
+    hfpaged_record,
+    run_generate_batch,
+    run_hfpaged,
+    workload,
+)
 
 
 def log(rank: int, *args) -> None:
@@ -97,14 +105,7 @@ def main() -> None:
     result["num_blocks"] = hfpaged.stats(model)["num_blocks"]
     run_hfpaged(model, prompts[:32], [8] * 32)  # warm-up: graph capture, Triton compile
     tokens, dt, usage, engine = run_hfpaged(model, prompts, out_lens, track_usage=True)
-    result["hfpaged"] = {
-        "tokens": tokens,
-        "seconds": dt,
-        "tokens_per_s": tokens / dt,
-        "kv_slot_usage": usage,
-        "graph_steps": engine.runner.num_graph_steps,
-        "eager_steps": engine.runner.num_eager_steps,
-    }
+    result["hfpaged"] = hfpaged_record(model, tokens, dt, usage, engine)  # host seconds per phase included
     log(
         rank,
         f"hfpaged: {tokens / dt:,.0f} tok/s, graph/eager steps {engine.runner.num_graph_steps}/{engine.runner.num_eager_steps}",

@@ -308,6 +308,22 @@ def run_hfpaged(model, prompts, out_lens, track_usage=False):
     return num_tokens, dt, usage, engine
 
 
+def hfpaged_record(model, tokens, seconds, usage, engine) -> dict:
+    """The JSON record of one ``run_hfpaged`` run."""
+    import hfpaged
+
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "kv_slot_usage": usage,
+        "graph_steps": engine.runner.num_graph_steps,
+        "eager_steps": engine.runner.num_eager_steps,
+        "host_seconds": dict(engine.core.timings),
+        "stats": hfpaged.stats(model),
+    }
+
+
 class watch_triton_compiles:
     """Records the Triton kernels compiled (in-memory cache misses) while it is active: a compile inside
     a timed run is a warm-up gap."""
@@ -443,16 +459,7 @@ def bench_model(name, args, bandwidth):
             run_hfpaged(model, prompts[:32], [8] * 32)
             tokens, dt, usage, engine = run_hfpaged(model, prompts, out_lens, track_usage=True)
             timings = dict(engine.core.timings)
-            w["hfpaged"] = {
-                "tokens": tokens,
-                "seconds": dt,
-                "tokens_per_s": tokens / dt,
-                "kv_slot_usage": usage,
-                "graph_steps": engine.runner.num_graph_steps,
-                "eager_steps": engine.runner.num_eager_steps,
-                "host_seconds": timings,
-                "stats": hfpaged.stats(model),
-            }
+            w["hfpaged"] = hfpaged_record(model, tokens, dt, usage, engine)
             log(
                 f"[{kind}] hfpaged: {tokens} tokens in {dt:.2f}s = {tokens / dt:,.0f} tok/s, KV slot usage {usage:.1%}, "
                 f"graph/eager steps {engine.runner.num_graph_steps}/{engine.runner.num_eager_steps}"
