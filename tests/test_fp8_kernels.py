@@ -119,6 +119,21 @@ def test_fp8_bf16_queries_dot_in_fp16(case, fmt, q_mult):
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FMT_IDS)
+def test_fp8_bf16_queries_peaked_softmax(fmt):
+    # Scores with a spread of ~50 (large keys: k_scale 0.5 over raw fp8 values near 448), so a few keys share
+    # the weight: a rounding of q into fp16 moves each weight by ~score * 2^-12, far past bf16 tolerance (it did,
+    # 70x, when q was scaled by 8192 / max|q|; a power-of-two factor keeps every bf16 query element exact).
+    torch.manual_seed(0)
+    batch, _ = fp8_batch([1] * 2, [1500] * 2, fmt, torch.bfloat16, num_heads=8, num_kv_heads=2, head_dim=128,
+                         block_size=16, table_tail="minus1")  # fmt: skip
+    batch["k_scale"].fill_(0.5)
+    batch["v_scale"].fill_(2.0)
+    kwargs = dict(scale=128**-0.5)
+    ref = reference64(batch, **kwargs)
+    assert_close(paged_attention(**batch, **kwargs), ref.to(torch.bfloat16), torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FMT_IDS)
 def test_fp8_reference_store_round_trip_and_saturation(fmt):
     gen = torch.Generator().manual_seed(1)
     key = torch.randn(40, 2, 16, generator=gen) * 5
