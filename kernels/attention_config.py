@@ -18,11 +18,13 @@ PROGRAMS_PER_SM = 2
 # Decode tiles (TILE_N, num_warps, num_stages) by the bytes of one K/V element as the dots see it (the query's
 # for 16/32-bit caches; 1 for fp8 caches with 16-bit queries, whose tiles are loaded at 1 byte per element),
 # for head_dim_pad <= 128 and for larger heads. H100 sweep (bf16): 2 stages beat 3-4 (more programs per SM).
-# fp8 keeps the 2-byte choice until examples/sweep_fp8_decode.py measures a better one.
+# fp8 (H100, examples/sweep_fp8_decode.py, session 7: B 64-256 x context 512-8k, 16 heads / 8 KV heads, hd 128):
+# 128 keys / 4 warps / 3 stages is within 2% of the best everywhere and 1.1-1.5x the 2-byte choice (fp8 time per
+# call 0.57-0.72 of bf16's); larger heads keep the 2-byte choice (not swept).
 DECODE_TILES = {
     4: ((32, 4, 2), (16, 4, 2)),
     2: ((64, 4, 2), (32, 4, 2)),
-    1: ((64, 4, 2), (32, 4, 2)),
+    1: ((128, 4, 3), (32, 4, 2)),
 }
 
 

@@ -230,6 +230,7 @@ def paged_attention(
         group=num_heads // num_kv_heads,
         head_dim_pad=next_power_of_2(max(head_dim, v_cache.shape[3])),
         elem_size=q.element_size(),
+        kv_elem_size=k_cache.element_size(),
         max_seqlen_q=max(1, max_seqlen_q),
         max_seqlen_k=max_seqlen_k,
         device=q.device,
