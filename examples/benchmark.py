@@ -666,7 +666,7 @@ def plot(results, path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.2-1b"], choices=list(MODELS))
-    parser.add_argument("--workloads", nargs="+", default=["nano", "chat"], choices=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="*", default=["nano", "chat"], choices=list(WORKLOADS))
     parser.add_argument(
         "--sections",
         nargs="+",

@@ -1,4 +1,4 @@
-"""Fused q/k/v and gate/up projections on CUDA (fuse_projections=None: on for CUDA layers): float32 parity through the CUDA graphs
+"""Fused q/k/v and gate/up projections on CUDA (the default, fuse_projections=None: on for CUDA layers): float32 parity through the CUDA graphs
 (compiled too), and no second copy of the weights (run with `pytest -m gpu` on a GPU)."""
 
 import pytest
@@ -30,10 +30,10 @@ def test_cuda_float32_parity_fused(arch, compile):
     assert len(model._hfpaged.fused_projections.groups) == 2 * model.config.num_hidden_layers
 
 
-def test_cuda_fusion_off_by_default_and_by_option():
+def test_cuda_fusion_on_by_default_and_off_by_option():
     model = make_model("llama").cuda()
     hfpaged.patch(model, num_blocks=26, block_size=4)
-    assert model._hfpaged.fused_projections.groups == []
+    assert len(model._hfpaged.fused_projections.groups) == 2 * model.config.num_hidden_layers
     hfpaged.unpatch(model)
     hfpaged.patch(model, num_blocks=26, block_size=4, fuse_projections=False)
     assert model._hfpaged.fused_projections.groups == []

@@ -34,8 +34,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" (= "fp8_e4m3"), "fp8_e5m2": half the bytes
     kv_cache_scales: float | list[tuple[float, float]] | None = None  # fp8 only: one scale for every K and V, or
     # one (k_scale, v_scale) per attention layer; None: the checkpoint's k_scale/v_scale, else calibrated
-    fuse_projections: bool | None = False  # q/k/v and gate/up as one GEMM each in paged steps (weights moved into
-    # one buffer per group, no copy); None: on for layers on CUDA devices only. Opt-in until measured on a GPU
+    fuse_projections: bool | None = None  # q/k/v and gate/up as one GEMM each in paged steps (weights moved into
+    # one buffer per group, no copy); None: on for layers on CUDA devices only; False: off (unfused, exact)
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
