@@ -243,12 +243,19 @@ def test_gpu_fp8_cuda_graph_decode_reads_scales_at_replay(fmt):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = paged_attention(**static, **kwargs)
+    abs_v = dict(static, v_cache=static["v_cache"].float().abs().to(fmt))  # |v|, exact in fp8
     for k_scale, v_scale in ((0.5, 2.0), (0.01, 0.3)):  # scales written after capture, as calibration does
         static["k_scale"].fill_(k_scale)
         static["v_scale"].fill_(v_scale)
         static["q"].normal_()
         graph.replay()
-        assert_close(out, reference64(static, scale=kwargs["scale"]).to(torch.bfloat16), torch.bfloat16)
+        ref = reference64(static, scale=kwargs["scale"])
+        # bf16 tolerance per element, plus the rounding of P to 16 bits before the PV dot (as in any flash
+        # kernel): up to 2^-9 of sum(p |v|), which matters where large values of both signs cancel (e5m2's raw
+        # values reach 57344: outputs of ~5 from terms of ~10^4 were off by ~0.3 in float64 emulation too)
+        bound = 0.02 + 0.02 * ref.abs() + 2.0**-8 * reference64(abs_v, scale=kwargs["scale"])
+        error = (out.double() - ref).abs()
+        assert not out.isnan().any() and (error <= bound).all(), f"worst error / bound {float((error / bound).max())}"
 
 
 assert DEVICE.type in ("cpu", "cuda")
