@@ -10,17 +10,20 @@ Only inside a paged step (``FusedProjections.step``) does each member get an ins
 member called computes ``F.linear(x, buffer)`` once and stashes the split output with ``x``; the others return
 their slice when called with that same tensor object (``is``), else compute alone. The forwards are removed
 when the step ends, so outside it nothing differs from stock, and dynamo traces the stash as plain Python
-state (one ``linear`` + ``split`` per group under ``compile=True``). Before each step every group checks it is
-still intact (same modules, each weight still its slice of the buffer); one that is not (a new ``Parameter``,
-``.data`` swapped, a module replaced, a PEFT layer wrapped around it, ``model.to``) is dropped for good and its
-modules run alone. ``unfuse`` (at ``unpatch``) gives every member its own storage again.
+state (one ``linear`` + ``split`` per group under ``compile=True``). Each forward is a bound method of one
+shared function that finds its group through a member attribute set for the step: dynamo guards a patched
+``forward`` by its function (a per-member object would be guarded by its id, one graph per layer). Before
+each step every group checks it is still intact (same modules, each weight still its slice of the buffer);
+one that is not (a new ``Parameter``, ``.data`` swapped, a module replaced, a PEFT layer wrapped around it,
+``model.to``) is dropped for good and its modules run alone. ``unfuse`` (at ``unpatch``) gives every member its
+own storage again.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -78,7 +81,10 @@ class FusedGroup:
                 member.weight.data = weight  # same Parameter object; its old storage is freed
                 if bias is not None:
                     member.bias.data = bias
-        self.forwards = [functools.partial(_fused_forward, self, i) for i in range(len(self.members))]
+        # bound methods of one function: dynamo guards a patched forward by that function, so every layer's members
+        # trace to one graph (a functools.partial per member was guarded by its id: a graph per layer, until
+        # dynamo's recompile limit left the remaining layers uncompiled)
+        self.forwards = [types.MethodType(_fused_forward, member) for member in self.members]
         self.thread: int | None = None  # the thread running the paged step (other threads never use the stash)
         self.input: torch.Tensor | None = None  # per step: the input of the stashed output
         self.parts: tuple[torch.Tensor, ...] = ()
@@ -120,12 +126,14 @@ class FusedGroup:
         self.weight = self.bias = None
 
 
-def _fused_forward(group: FusedGroup, index: int, x: torch.Tensor) -> torch.Tensor:
+def _fused_forward(member: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """A member's forward inside a paged step: one GEMM for the whole group, each member takes its slice."""
-    if not torch.compiler.is_compiling() and threading.get_ident() != group.thread:
-        # a direct call from another thread during the step (not behind the forward lock): compute alone
-        weights, biases = group._slices()
-        return F.linear(x, weights[index], biases[index])
+    fused = getattr(member, "_hfpaged_fused", None)  # (group, index) while the step runs
+    if fused is None or (not torch.compiler.is_compiling() and threading.get_ident() != fused[0].thread):
+        # a direct call from another thread during the step (not behind the forward lock), or one that met the
+        # forward as the step ended: compute alone (the member's weight is its slice of the buffer)
+        return F.linear(x, member.weight, member.bias)
+    group, index = fused
     if group.input is not x:
         group.input = x
         group.parts = F.linear(x, group.weight, group.bias).split(group.sizes, dim=-1)
@@ -155,7 +163,8 @@ class FusedProjections:
             self.broken += [group for group in broken if group.views()]
         for group in self.groups:
             group.thread = threading.get_ident()
-            for member, forward in zip(group.members, group.forwards):
+            for index, (member, forward) in enumerate(zip(group.members, group.forwards)):
+                member.__dict__["_hfpaged_fused"] = (group, index)
                 member.__dict__["forward"] = forward
         try:
             yield
@@ -165,6 +174,7 @@ class FusedProjections:
                 group.thread = None
                 for member in group.members:
                     member.__dict__.pop("forward", None)
+                    member.__dict__.pop("_hfpaged_fused", None)
 
     def unfuse(self) -> None:
         """Every member's parameters in their own storage again, one group at a time."""
