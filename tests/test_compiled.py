@@ -8,10 +8,12 @@ decoder layers are compiled as one region each, sharing one graph per distinct l
 import pytest
 import torch
 from models import make_model, random_prompts, reference_generate
+from torch._dynamo.utils import counters
 
 import hfpaged
 from hfpaged.core.runner_output import ModelRunnerOutput
 from hfpaged.model import custom_ops
+from hfpaged.model.cuda_graphs import StepGraphs
 from hfpaged.model.input_batch import device_views
 
 
@@ -81,6 +83,43 @@ def test_identical_layers_share_one_compiled_graph():
     assert model.model.norm in others and model.model.embed_tokens not in others
     assert _num_compiled(custom_ops._call_block) == 1  # six layers, one graph
     assert all("forward" not in layer.__dict__ for layer in blocks + others)  # stock calls run uncompiled
+
+
+def test_every_decode_bucket_shares_each_regions_two_graphs():
+    # The decode CUDA graphs' capture (StepGraphs.capture, here without CUDA): the compiled forward once per batch
+    # bucket, largest first, on views of the static input buffers. Each region compiles once for batch >= 2 and
+    # once for batch 1 (dynamo specialises size 1). The fused projections' per-member forwards used to make it a
+    # graph per layer, and duck sizing (the largest batch equals the block-table buffer's rows) one more for the
+    # largest bucket, until dynamo's recompile limit (8) left the other layers and buckets uncompiled.
+    torch._dynamo.reset()
+    counters.clear()
+    model = make_model("qwen3", num_hidden_layers=3)
+    hfpaged.patch(
+        model,
+        num_blocks=64,
+        block_size=4,
+        attention_backend="triton",
+        enable_prefix_caching=False,
+        async_scheduling=False,
+        compile=True,
+        compile_cache_dir="",
+        fuse_projections=True,
+        max_num_seqs=8,
+    )
+    runner = hfpaged.Engine(model).core.runner
+    graphs = StepGraphs(torch.device("cpu"), 8, runner.graph_width, runner.block_size)
+    assert graphs.buckets == [1, 2, 4, 8]
+    with torch.inference_mode():
+        for bucket in reversed(graphs.buckets):
+            dummy = torch.from_numpy(graphs._dummy_inputs(bucket))
+            graphs.static[: dummy.numel()].copy_(dummy)
+            step = graphs._views(bucket)
+            compiled = runner._graph_forward(step)
+            torch.testing.assert_close(compiled, runner.forward(step, logits_indices=0), rtol=1e-4, atol=1e-4)
+    assert _num_compiled(custom_ops._call_block) == 2  # three layers, batch >= 2 and batch 1
+    assert _num_compiled(custom_ops._call_other) == 4  # the final norm and the rotary embedding, the same two each
+    assert counters["stats"]["unique_graphs"] == 6
+    assert not counters["graph_break"]
 
 
 @pytest.mark.slow

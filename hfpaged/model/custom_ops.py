@@ -4,28 +4,33 @@ With ``patch(..., compile=True)`` the decode CUDA graphs capture a forward of th
 repeated blocks (the decoder layers) run ``torch.compile``-d code: inductor fuses their norms, RoPE,
 activations and residual adds around our two custom ops. Step metadata reaches the attention function as
 forward kwargs (transformers passes extra kwargs down to the attention interface), so one dynamic-shape
-compile serves every bucket.
+compile serves every bucket from batch 2 up.
 
 Regional compilation (PyTorch's recipe for repeated blocks): the model's own forward runs eagerly, and only
 while it runs does each decoder layer (and each other module beside the layer list, e.g. the final norm and
 the rotary embedding) get an instance ``forward`` that calls one shared compiled function with the module as
 an argument. Parameters are graph inputs (dynamo inlines nn modules), so the guards check the layer's class,
 shapes and the constants it reads, not its identity: identical layers share ONE graph (Gemma2's sliding and
-full layers compile one each), which cuts compile time by about the number of layers. The compiled
-functions keep no reference to the model; the instance forwards are removed when the forward returns, so
-stock calls run exactly as unpatched. A model whose attention modules sit in no ``ModuleList`` falls back to
-compiling the whole forward, as before.
+full layers compile one each), which cuts compile time by about the number of layers. Each region compiles
+twice per process whatever the number of decode buckets: for batch >= 2 (dynamic, with duck sizing off:
+``_distinct_size_symbols``) and for batch 1, which dynamo specialises. The compiled functions keep no reference
+to the model; the instance forwards are removed when the forward returns, so stock calls run exactly as
+unpatched. A model whose attention modules sit in no ``ModuleList`` falls back to compiling the whole forward,
+as before.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+from torch.fx.experimental import _config as fx_config
 
 _registered = False
+_sizes_lock = threading.RLock()  # one compiled forward at a time sets and restores dynamo's duck sizing
 
 
 def register_custom_ops() -> None:
@@ -195,6 +200,22 @@ def _mark_caches_static(model: torch.nn.Module) -> None:
 
 
 @contextmanager
+def _distinct_size_symbols() -> Iterator[None]:
+    """Dynamo gives each dynamic size its own symbol while the compiled forward runs (no duck sizing). Duck sizing
+    gives sizes that happen to be equal one symbol and guards the equality: at the largest decode bucket (the first
+    the CUDA graphs capture) the batch equals the rows of the static block-table buffer the step's tables view, so
+    each region's first graph fit that bucket alone and recompiled at the next. Without it only the equalities the
+    code needs are guarded (each layer's tokens equal the rotary tables' rows), and one graph serves every batch
+    size from 2 up. Batch 1 keeps its own: dynamo specialises sizes 0 and 1, and even traced size-obliviously the
+    layer's ``F.linear`` guards ``tokens != 1`` (notes/engine_perf.md, session 7)."""
+    if getattr(fx_config, "use_duck_shape", None) is None:  # an older torch without the switch
+        yield
+        return
+    with _sizes_lock, fx_config.patch(use_duck_shape=False):
+        yield
+
+
+@contextmanager
 def _compiled_forwards(regions: list[tuple[torch.nn.Module, Callable]]) -> Iterator[None]:
     """Give each module an instance ``forward`` calling its compiled function, for one forward; a module that
     already has an instance ``forward`` (accelerate's hooks set one) keeps it and runs eagerly."""
@@ -244,9 +265,10 @@ class CompiledDecodeForward:
         _mark_caches_static(model)
         blocks, others = compile_regions(model) if self.regional else ([], [])
         if not blocks:
-            return self.whole_forward(model, *step_tensors)
+            with _distinct_size_symbols():
+                return self.whole_forward(model, *step_tensors)
         regions = [(m, self.block_forward) for m in blocks] + [(m, self.other_forward) for m in others]
-        with _compiled_forwards(regions):
+        with _distinct_size_symbols(), _compiled_forwards(regions):
             return self._forward(model, *step_tensors)
 
 
