@@ -206,8 +206,9 @@ def _distinct_size_symbols() -> Iterator[None]:
     the CUDA graphs capture) the batch equals the rows of the static block-table buffer the step's tables view, so
     each region's first graph fit that bucket alone and recompiled at the next. Without it only the equalities the
     code needs are guarded (each layer's tokens equal the rotary tables' rows), and one graph serves every batch
-    size from 2 up. Batch 1 keeps its own: dynamo specialises sizes 0 and 1, and even traced size-obliviously the
-    layer's ``F.linear`` guards ``tokens != 1`` (notes/engine_perf.md, session 7)."""
+    size from 2 up. Batch 1 keeps its own: dynamo specialises sizes 0 and 1, and even traced size-obliviously
+    (torch's experimental ``backed_size_oblivious``) the layer's graph guards ``tokens != 1`` (notes/engine_perf.md,
+    session 7)."""
     if getattr(fx_config, "use_duck_shape", None) is None:  # an older torch without the switch
         yield
         return
