@@ -23,6 +23,7 @@ def greedy_parity(
     new_tokens: int = 32,
     compile: bool = False,
     stop_at_eos: bool = False,
+    **patch_options: Any,
 ) -> dict[str, Any]:
     """Greedy tokens of generate_many vs stock generate (each prompt alone) in the model's own dtype.
 
@@ -31,6 +32,7 @@ def greedy_parity(
     generate with eager attention is compared with stock generate with sdpa the same way: two correct
     implementations that differ only in rounding. Without ``prompts``, random ones of 16-256 tokens; with
     ``stop_at_eos`` the model's own eos ends a sequence (real models), otherwise eos is ignored.
+    ``patch_options`` go to ``patch`` (e.g. ``fuse_projections=False``).
     """
     if prompts is None:
         gen = torch.Generator().manual_seed(3)
@@ -71,7 +73,7 @@ def greedy_parity(
         expected = stock("sdpa")
     finally:
         model.set_attn_implementation(original)
-    patch(model, compile=compile)
+    patch(model, compile=compile, **patch_options)
     try:
         got = [r.token_ids for r in model.generate_many(prompts, **options)]
     finally:
