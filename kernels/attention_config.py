@@ -20,7 +20,7 @@ PROGRAMS_PER_SM = 2
 # for head_dim_pad <= 128 and for larger heads. H100 sweep (bf16): 2 stages beat 3-4 (more programs per SM).
 # fp8 (H100, examples/sweep_fp8_decode.py, session 7: B 64-256 x context 512-8k, 16 heads / 8 KV heads, hd 128):
 # 128 keys / 4 warps / 3 stages is within 2% of the best everywhere and 1.1-1.5x the 2-byte choice (fp8 time per
-# call 0.57-0.72 of bf16's); larger heads keep the 2-byte choice (not swept).
+# call 0.57-0.73 of bf16's); larger heads keep the 2-byte choice (not swept).
 DECODE_TILES = {
     4: ((32, 4, 2), (16, 4, 2)),
     2: ((64, 4, 2), (32, 4, 2)),
