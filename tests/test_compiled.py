@@ -17,9 +17,8 @@ from hfpaged.model.cuda_graphs import StepGraphs
 from hfpaged.model.input_batch import device_views
 
 
-def compiled_decode(model, prompts, max_new_tokens=6, max_steps=None, **options):
-    """Prefill eagerly, then drive scheduler and runner through the compiled decode forward (no step may be left
-    in flight); (generated ids per prompt, the runner)."""
+def patch_compiled(model, **options):
+    """``patch(compile=True)`` with the Triton custom ops, synchronous steps, no prefix cache, no compile cache."""
     hfpaged.patch(
         model,
         num_blocks=64,
@@ -30,6 +29,12 @@ def compiled_decode(model, prompts, max_new_tokens=6, max_steps=None, **options)
         compile=True,
         **{"compile_cache_dir": "", **options},
     )
+
+
+def compiled_decode(model, prompts, max_new_tokens=6, max_steps=None, **options):
+    """Prefill eagerly, then drive scheduler and runner through the compiled decode forward (no step may be left
+    in flight); (generated ids per prompt, the runner)."""
+    patch_compiled(model, **options)
     engine = hfpaged.Engine(model)
     for p in prompts:
         engine.add_request(p, max_new_tokens=max_new_tokens, do_sample=False)
@@ -94,18 +99,7 @@ def test_every_decode_bucket_shares_each_regions_two_graphs():
     torch._dynamo.reset()
     counters.clear()
     model = make_model("qwen3", num_hidden_layers=3)
-    hfpaged.patch(
-        model,
-        num_blocks=64,
-        block_size=4,
-        attention_backend="triton",
-        enable_prefix_caching=False,
-        async_scheduling=False,
-        compile=True,
-        compile_cache_dir="",
-        fuse_projections=True,
-        max_num_seqs=8,
-    )
+    patch_compiled(model, fuse_projections=True, max_num_seqs=8)
     runner = hfpaged.Engine(model).core.runner
     graphs = StepGraphs(torch.device("cpu"), 8, runner.graph_width, runner.block_size)
     assert graphs.buckets == [1, 2, 4, 8]
