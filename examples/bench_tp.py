@@ -7,7 +7,7 @@ once to ``~/.cache/hfpaged/tp/``, every rank loads them: ``tp_plan="auto"`` when
     torchrun --nproc-per-node 2 examples/bench_tp.py --random-shape llama-3.1-8b --out tp_out
     python examples/bench_tp.py --compare tp_out/tp1.json tp_out/tp2.json
 
-Each run writes ``tp<N>.json`` (rank 0): hfpaged tok/s on the chat workload (256 requests, prompts of 32-512
+Each run writes ``tp<N>.json`` (``tp<N>_compile.json`` with ``--compile``; rank 0): hfpaged tok/s on the chat workload (256 requests, prompts of 32-512
 tokens, 128 new each), the same requests through transformers' ``generate_batch`` on the same (sharded) model,
 and batch-1 decode ms/token. ``--compare`` prints TP=N against TP=1: the targets are batch-1 <= 0.6x of TP=1's
 ms/token and throughput >= 1.6x.
@@ -63,6 +63,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--gb-requests", type=int, default=256, help="requests given to generate_batch (0: skip)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--compile", action="store_true", help="patch with compile=True (files tp<N>_compile.json)")
     parser.add_argument("--out", default="tp_out")
     parser.add_argument("--compare", nargs=2, metavar=("TP1_JSON", "TPN_JSON"))
     args = parser.parse_args()
@@ -101,8 +102,14 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
 
-    hfpaged.patch(model, max_num_seqs=args.max_num_seqs)
+    hfpaged.patch(model, max_num_seqs=args.max_num_seqs, compile=args.compile)
     result["num_blocks"] = hfpaged.stats(model)["num_blocks"]
+    result["compile"] = args.compile
+    state = model._hfpaged
+    result["fused_projection_groups"] = len(state.fused_projections.groups)
+    if state.local_tp is not None:
+        result["local_projections"] = len(state.local_tp.members)
+        result["all_reduce"] = state.local_tp.reduce.kind
     run_hfpaged(model, prompts[:32], [8] * 32)  # warm-up: graph capture, Triton compile
     tokens, dt, usage, engine = run_hfpaged(model, prompts, out_lens, track_usage=True)
     result["hfpaged"] = hfpaged_record(model, tokens, dt, usage, engine)  # host seconds per phase included
@@ -118,7 +125,7 @@ def main() -> None:
     log(rank, f"batch-1 decode: {result['batch1_ms_per_token']:.3f} ms/token")
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"tp{world}.json"), "w") as f:
+        with open(os.path.join(args.out, f"tp{world}{'_compile' if args.compile else ''}.json"), "w") as f:
             json.dump(result, f, indent=1)
     # On two H200s, destroy_process_group() hung after a run whose CUDA graphs replayed NCCL calls (the graphs
     # were still alive): end the process without tearing the communicators down (every result is written).

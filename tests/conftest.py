@@ -10,6 +10,22 @@ if not torch.cuda.is_available():
 
 CUDA = torch.cuda.is_available()
 
+# HFPAGED_TEST_COMPILE=1: every patch() that does not say otherwise runs with compile=True (the GPU suite
+# under the compiled fast path, before compile can become the default; decode graphs are where it applies)
+if os.environ.get("HFPAGED_TEST_COMPILE") == "1":
+    import dataclasses
+    import importlib
+
+    from hfpaged.core.config import EngineConfig as _EngineConfig
+
+    _patch_module = importlib.import_module("hfpaged.patch")  # the module (hfpaged.patch is also the function)
+
+    @dataclasses.dataclass
+    class _CompiledByDefault(_EngineConfig):
+        compile: bool = True
+
+    _patch_module.EngineConfig = _CompiledByDefault
+
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` are skipped without CUDA (the one place that decides it)."""

@@ -16,6 +16,7 @@ import hfpaged
 from hfpaged.model.tensor_parallel import check_heads, requests_fingerprint
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_worker.py")
+FUSE = {"llama": "off", "qwen2": "on"}  # the local-shard forwards alone, and fused over local shards (q/k/v bias)
 
 
 def run_ranks(tmp_path, arch: str, device: str, nproc: int = 2) -> list[dict]:
@@ -25,14 +26,20 @@ def run_ranks(tmp_path, arch: str, device: str, nproc: int = 2) -> list[dict]:
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    command += [WORKER, "--model", str(model_dir), "--out", str(out), "--device", device]
+    command += [WORKER, "--model", str(model_dir), "--out", str(out), "--device", device, "--fuse", FUSE[arch]]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
-def check_ranks(results: list[dict], num_kv_heads: int) -> None:
+def check_ranks(results: list[dict], num_kv_heads: int, arch: str, device: str) -> None:
     first = results[0]
+    layers = make_model(arch).config.num_hidden_layers
+    for result in results:
+        assert result["local_projections"] == 7 * layers  # q/k/v/o and gate/up/down of every layer: local shards
+        assert result["fused_groups"] == (2 * layers if FUSE[arch] == "on" else 0)
+        assert ("one-shot" in result["all_reduce"]) == (device == "cuda")  # symmetric memory on NVLink GPUs
+        assert result["kept_stock"] == [None, None]
     assert first["expected"] and any(len(set(seq)) > 3 for seq in first["expected"])  # the model's output varies
     for result in results:
         assert result["kv_heads_local"] == num_kv_heads // len(results)  # each rank pages its own KV heads
@@ -55,14 +62,14 @@ def check_ranks(results: list[dict], num_kv_heads: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_two_cpu_ranks_equal_stock_generate(tmp_path, arch):
-    check_ranks(run_ranks(tmp_path, arch, "cpu"), num_kv_heads=2)
+    check_ranks(run_ranks(tmp_path, arch, "cpu"), num_kv_heads=2, arch=arch, device="cpu")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_two_gpu_ranks_with_graphs_equal_stock_generate(tmp_path, arch):
-    check_ranks(run_ranks(tmp_path, arch, "cuda"), num_kv_heads=2)
+    check_ranks(run_ranks(tmp_path, arch, "cuda"), num_kv_heads=2, arch=arch, device="cuda")
 
 
 def test_heads_that_do_not_split_evenly_are_refused():

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import hfpaged
+from hfpaged.model.tp_local import local_kind
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import random_prompts, reference_generate
@@ -33,6 +34,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--new-tokens", type=int, default=12)
+    parser.add_argument("--fuse", choices=("on", "off"), default="off", help="fuse_projections for the patch")
     args = parser.parse_args()
     faulthandler.dump_traceback_later(150, exit=True)  # a hang shows where each rank waits
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -49,7 +51,14 @@ def main() -> None:
     # pools that differ per rank: every rank must end up with the smallest one
     # (CUDA: a block count per rank; the CPU: a memory budget per rank, the path that sizes the pool)
     pool = {"num_blocks": 12 * (1 + rank)} if device.type == "cuda" else {"cpu_kv_cache_gib": (1 + rank) * 1.2e-5}
+    pool["fuse_projections"] = args.fuse == "on"
     hfpaged.patch(sharded, block_size=4, max_num_seqs=4, **pool)
+    state = sharded._hfpaged
+    result["local_projections"] = len(state.local_tp.members) if state.local_tp is not None else 0
+    result["fused_groups"] = len(state.fused_projections.groups)
+    result["all_reduce"] = state.local_tp.reduce.kind if state.local_tp is not None else None
+    # the gathered lm head and the vocab-sharded embedding keep transformers' forwards
+    result["kept_stock"] = [local_kind(sharded.lm_head), local_kind(sharded.get_input_embeddings())]
     stats = hfpaged.stats(sharded)
     result["num_blocks"] = stats["num_blocks"]
     result["greedy"] = ids_of(sharded.generate_many(prompts, max_new_tokens=args.new_tokens, do_sample=False))
@@ -88,9 +97,12 @@ def main() -> None:
     # hold old-weight K/V and must not be reused; then the same with swap preemption instead of recompute
     with torch.no_grad():
         for (name, param), ref_param in zip(sharded.named_parameters(), reference.parameters()):
-            if name.endswith("mlp.down_proj.weight"):
+            if name.endswith("mlp.down_proj.weight"):  # rowwise: a local shard
                 param.mul_(-1.0)
                 ref_param.mul_(-1.0)
+            if name.endswith("mlp.up_proj.weight"):  # colwise: with --fuse on, a slice of the fused buffer
+                param.mul_(0.5)
+                ref_param.mul_(0.5)
     result["expected_changed"] = reference_generate(reference, prompts, max_new_tokens=args.new_tokens, do_sample=False)
     result["greedy_changed"] = ids_of(sharded.generate_many(prompts, max_new_tokens=args.new_tokens, do_sample=False))
     hfpaged.patch(sharded, block_size=4, max_num_seqs=4, preemption_mode="swap", **pool)

@@ -37,6 +37,7 @@ from .kv_quant import cache_dtype, check_fp8_device, initial_scales
 from .peft_compat import adapter_layers, adapter_state, inner_model
 from .swap_space import SwapSpace, swap_blocks
 from .tensor_parallel import TensorParallel, find_tensor_parallel
+from .tp_local import LocalProjections, local_projections
 
 logger = logging.getLogger("hfpaged")
 
@@ -113,6 +114,7 @@ class PatchState:
     recalibrate_when_idle: bool = False  # weights changed while requests ran: calibrate once nothing runs
     fused_projections: FusedProjections | None = None  # q/k/v and gate/up weights moved into one buffer each
     tp: TensorParallel | None = None  # the tensor-parallel group transformers sharded the model over
+    local_tp: LocalProjections | None = None  # a sharded model's projections on local shards in the paged step
 
     def block_bytes(self) -> dict[torch.device, int]:
         """Bytes one block takes on each device."""
@@ -178,16 +180,33 @@ def _wrap_forward(model: torch.nn.Module, lock: threading.RLock) -> Callable | N
 def attach(model: PreTrainedModel, config: EngineConfig, tokenizer: Any = None) -> PatchState:
     """Give every attention layer of ``model`` a paged KV cache in one shared pool; returns the state."""
     check_model(model)
-    fused = fuse_projections(model, config.fuse_projections)  # first: the pool is sized after it
+    tp = find_tensor_parallel(model)
+    projections = None
+    if tp is not None:  # collective: the one-shot all-reduce's buffer is symmetric over the ranks
+        projections = local_projections(model, tp.model_group, model.get_input_embeddings().weight.device)
     try:
-        return _attach(model, config, tokenizer, fused)
+        fused = fuse_projections(model, config.fuse_projections, projections)  # first: the pool is sized after it
+    except BaseException:
+        if projections is not None:
+            projections.close()
+        raise
+    try:
+        return _attach(model, config, tokenizer, fused, tp, projections)
     except BaseException:
         fused.unfuse()
+        if projections is not None:
+            projections.close()
         raise
 
 
-def _attach(model: PreTrainedModel, config: EngineConfig, tokenizer: Any, fused: FusedProjections) -> PatchState:
-    tp = find_tensor_parallel(model)
+def _attach(
+    model: PreTrainedModel,
+    config: EngineConfig,
+    tokenizer: Any,
+    fused: FusedProjections,
+    tp: TensorParallel | None,
+    projections: LocalProjections | None,
+) -> PatchState:
     input_device = model.get_input_embeddings().weight.device
     attn_configs = collect_configs(model)
     lock = threading.RLock()
@@ -225,6 +244,7 @@ def _attach(model: PreTrainedModel, config: EngineConfig, tokenizer: Any, fused:
         kv_cache_dtype=kv_dtype,
         fused_projections=fused,
         tp=tp,
+        local_tp=projections,
     )
     if kv_dtype is not None:
         state.kv_scales, state.kv_scale_source = initial_scales(layers, config)
@@ -277,6 +297,8 @@ def detach(model: PreTrainedModel) -> None:
         release_caches(state)
         if state.fused_projections is not None:
             state.fused_projections.unfuse()
+        if state.local_tp is not None:
+            state.local_tp.close()
         for layer in state.layers:
             layer.module.__dict__.pop("_hfpaged_kv_scale", None)
         if getattr(model.__dict__.get("forward"), "_hfpaged_forward", False):

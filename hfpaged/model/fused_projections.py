@@ -30,6 +30,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from .tp_local import COL, LocalProjections, local
+
 logger = logging.getLogger("hfpaged")
 
 GROUP_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -44,16 +46,30 @@ def _plain_linear(module: torch.nn.Module | None) -> bool:
     return all(type(p) is torch.nn.Parameter and p.is_floating_point() and p.device.type != "meta" for p in params)
 
 
+def _sharded_linear(module: torch.nn.Module | None, tp: LocalProjections | None) -> bool:
+    """A colwise-sharded Linear whose step forward runs on its local shards (``tp_local``), plain local tensors."""
+    if tp is None or tp.kind(module) != COL:
+        return False
+    params = [local(module.weight)] + ([] if module.bias is None else [local(module.bias)])
+    return all(type(p) is torch.Tensor and p.is_floating_point() and p.device.type != "meta" for p in params)
+
+
 def _params(members: list[torch.nn.Linear]) -> list[torch.Tensor]:
-    return [p for m in members for p in (m.weight, m.bias) if p is not None]
+    """The tensors a group re-points: the members' weights and biases (a sharded member's local shards)."""
+    return [local(p) for m in members for p in (m.weight, m.bias) if p is not None]
 
 
-def _can_fuse(members: list[torch.nn.Linear]) -> bool:
-    first = members[0].weight
-    if not all(_plain_linear(m) for m in members) or len({id(p) for p in _params(members)}) != len(_params(members)):
+def _can_fuse(members: list[torch.nn.Linear], tp: LocalProjections | None = None) -> bool:
+    sharded = [_sharded_linear(m, tp) for m in members]
+    if any(sharded) and not all(sharded):
         return False
-    if any(m._forward_hooks or m._forward_pre_hooks for m in members):  # e.g. tensor-parallel or offload hooks
+    if not all(sharded) and not all(_plain_linear(m) for m in members):
         return False
+    if len({id(p) for p in _params(members)}) != len(_params(members)):
+        return False
+    if any(m._forward_hooks or m._forward_pre_hooks for m in members):  # e.g. offload hooks
+        return False
+    first = _params(members)[0]
     if any((m.bias is None) != (members[0].bias is None) for m in members):
         return False
     if any(
@@ -61,26 +77,30 @@ def _can_fuse(members: list[torch.nn.Linear]) -> bool:
     ) or any(m.in_features != members[0].in_features for m in members):
         return False
     # the members' storages must hold nothing else, or re-pointing them would not free memory (and would
-    # part them from whatever else shares that storage)
+    # part them from whatever else shares that storage). A sharded member's local shard may be a slice of a
+    # larger loaded tensor that nothing else reads: distinct storages suffice there (re-pointing frees them).
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in _params(members)}
+    if all(sharded):
+        return len(storages) == len(_params(members))
     return sum(storages.values()) == sum(p.numel() * p.element_size() for p in _params(members))
 
 
 class FusedGroup:
     """Projections of one module that read the same input, their weights slices of one buffer."""
 
-    def __init__(self, parent: torch.nn.Module, names: tuple[str, ...]):
+    def __init__(self, parent: torch.nn.Module, names: tuple[str, ...], tp: LocalProjections | None = None):
         self.parent = parent
         self.names = names
         self.members = [parent._modules[name] for name in names]
-        self.sizes = [m.out_features for m in self.members]
+        self.tp = tp if _sharded_linear(self.members[0], tp) else None  # colwise shards: local tensors re-pointed
+        self.sizes = [local(m.weight).shape[0] for m in self.members]
         with torch.inference_mode(False), torch.no_grad():  # never an inference tensor: training reads it
-            self.weight = torch.cat([m.weight for m in self.members])
-            self.bias = None if self.members[0].bias is None else torch.cat([m.bias for m in self.members])
+            self.weight = torch.cat([local(m.weight) for m in self.members])
+            self.bias = None if self.members[0].bias is None else torch.cat([local(m.bias) for m in self.members])
             for member, weight, bias in zip(self.members, *self._slices()):
-                member.weight.data = weight  # same Parameter object; its old storage is freed
+                local(member.weight).data = weight  # same Parameter (and local shard) object; old storage freed
                 if bias is not None:
-                    member.bias.data = bias
+                    local(member.bias).data = bias
         # bound methods of one function: dynamo guards a patched forward by that function, so every layer's members
         # trace to one graph (a functools.partial per member was guarded by its id: a graph per layer, until
         # dynamo's recompile limit left the remaining layers uncompiled)
@@ -98,9 +118,11 @@ class FusedGroup:
     def intact(self) -> bool:
         """Every member is still the parent's stock Linear reading its slice of the buffer."""
         for name, member, weight, bias in zip(self.names, self.members, *self._slices()):
-            if self.parent._modules.get(name) is not member or not _plain_linear(member):
+            if self.parent._modules.get(name) is not member:
                 return False
-            for param, part in ((member.weight, weight), (member.bias, bias)):
+            if not (_sharded_linear(member, self.tp) if self.tp is not None else _plain_linear(member)):
+                return False
+            for param, part in ((local(member.weight), weight), (local(member.bias), bias)):
                 if (param is None) != (part is None):
                     return False
                 if param is not None and (param.data_ptr() != part.data_ptr() or param.shape != part.shape):
@@ -131,8 +153,9 @@ def _fused_forward(member: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     fused = getattr(member, "_hfpaged_fused", None)  # (group, index) while the step runs
     if fused is None or (not torch.compiler.is_compiling() and threading.get_ident() != fused[0].thread):
         # a direct call from another thread during the step (not behind the forward lock), or one that met the
-        # forward as the step ended: compute alone (the member's weight is its slice of the buffer)
-        return F.linear(x, member.weight, member.bias)
+        # forward as the step ended: compute alone (the member's weight is its slice of the buffer; a colwise
+        # shard's output is this rank's features, as transformers' forward gives them)
+        return F.linear(x, local(member.weight), local(member.bias))
     group, index = fused
     if group.input is not x:
         group.input = x
@@ -161,9 +184,12 @@ class FusedProjections:
             self.groups = [group for group in self.groups if group not in broken]
             # members still viewing a buffer get their own storage at unfuse; the others' buffers are freed now
             self.broken += [group for group in broken if group.views()]
+        saved = {}  # a sharded member's forward before the step (tp_local's step forward): put back after
         for group in self.groups:
             group.thread = threading.get_ident()
             for index, (member, forward) in enumerate(zip(group.members, group.forwards)):
+                if "forward" in member.__dict__:
+                    saved[member] = member.__dict__["forward"]
                 member.__dict__["_hfpaged_fused"] = (group, index)
                 member.__dict__["forward"] = forward
         try:
@@ -175,6 +201,8 @@ class FusedProjections:
                 for member in group.members:
                     member.__dict__.pop("forward", None)
                     member.__dict__.pop("_hfpaged_fused", None)
+                    if member in saved:
+                        member.__dict__["forward"] = saved[member]
 
     def unfuse(self) -> None:
         """Every member's parameters in their own storage again, one group at a time."""
@@ -183,17 +211,20 @@ class FusedProjections:
         self.groups, self.broken = [], []
 
 
-def fuse_projections(model: torch.nn.Module, setting: bool | None) -> FusedProjections:
-    """Fuse every eligible group of ``model``: all (``True``), none (``False``), those on CUDA (``None``)."""
+def fuse_projections(
+    model: torch.nn.Module, setting: bool | None, tp: LocalProjections | None = None
+) -> FusedProjections:
+    """Fuse every eligible group of ``model``: all (``True``), none (``False``), those on CUDA (``None``).
+    ``tp``: a sharded model's local projections (its colwise groups fuse over their local shards)."""
     groups = []
     for module in model.modules() if setting is not False else ():
         for names in GROUP_NAMES:
             members = [module._modules.get(name) for name in names]
-            if not all(isinstance(m, torch.nn.Module) for m in members) or not _can_fuse(members):
+            if not all(isinstance(m, torch.nn.Module) for m in members) or not _can_fuse(members, tp):
                 continue
-            if setting is None and members[0].weight.device.type != "cuda":
+            if setting is None and local(members[0].weight).device.type != "cuda":
                 continue
-            groups.append(FusedGroup(module, names))
+            groups.append(FusedGroup(module, names, tp))
     if groups:
         logger.info("hfpaged: %d projection groups fused", len(groups))
     return FusedProjections(groups)

@@ -26,6 +26,7 @@ from .cuda_graphs import StepGraphs
 from .fused_projections import fused_step
 from .input_batch import DeviceStep, HostStep, InputBatch, device_views, padded_width, region_slices
 from .kv_quant import as_bytes
+from .tp_local import local_step
 
 if TYPE_CHECKING:
     from .attach import PatchState
@@ -170,7 +171,8 @@ class ModelRunner:
         kwargs = {"logits_to_keep": keep} if self.supports_logits_to_keep else {}
         model = self.model
         fused = fused_step(self.state.fused_projections)
-        with paged_forward(self.state.attn_configs, self.state.forward_lock), eval_mode(model), fused:
+        local = local_step(self.state.local_tp)
+        with paged_forward(self.state.attn_configs, self.state.forward_lock), eval_mode(model), local, fused:
             output = model(
                 input_ids=step.input_ids, position_ids=step.position_ids, use_cache=False, hfpaged=context, **kwargs
             )
@@ -223,7 +225,8 @@ class ModelRunner:
             self._compiled = self._compile_decode_forward()
         meta = step.metadata  # reaches the attention as forward kwargs: no step context needed
         fused = fused_step(self.state.fused_projections)
-        with paged_forward(self.state.attn_configs, self.state.forward_lock), eval_mode(self.model), fused:
+        local = local_step(self.state.local_tp)
+        with paged_forward(self.state.attn_configs, self.state.forward_lock), eval_mode(self.model), local, fused:
             logits = self._compiled(
                 self.model,
                 step.input_ids,

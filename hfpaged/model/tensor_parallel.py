@@ -30,6 +30,7 @@ class TensorParallel:
     """The tensor-parallel group a model was sharded over, and the collectives the engine needs on it."""
 
     group: dist.ProcessGroup  # a gloo group over the model's tensor-parallel ranks (see control_group)
+    model_group: dist.ProcessGroup  # the mesh's own group (NCCL on GPUs): the forward's collectives
     world_size: int
     seed_generator: torch.Generator  # seeds for unseeded sampling, identical on every rank
 
@@ -76,7 +77,7 @@ def find_tensor_parallel(model: torch.nn.Module) -> TensorParallel | None:
     dist.broadcast(seed, src=dist.get_global_rank(group, 0), group=group)
     generator = torch.Generator()
     generator.manual_seed(int(seed.item()))
-    return TensorParallel(group, world_size, generator)
+    return TensorParallel(group, model_group, world_size, generator)
 
 
 def control_group(model_group: dist.ProcessGroup) -> dist.ProcessGroup:
