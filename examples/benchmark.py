@@ -187,6 +187,7 @@ def cold_start_child(name: str, compile: bool, compile_cache_dir: str | None = N
     torch.cuda.synchronize()
     done = time.perf_counter()
     times = {"load_s": loaded - start, "patch_s": patched - loaded, "patch_to_first_result_s": done - loaded}
+    times["kernel_warmup_s"] = model._hfpaged.engine.runner.warmup_seconds  # our Triton kernels' compile
     if compile:
         from torch._dynamo.utils import counters
 

@@ -454,3 +454,36 @@ def test_gpu_store_kv_large_bf16():
     store_kv_reference(key, value, k_ref, v_ref, slots)
     store_kv(key, value, k_cache, v_cache, slots.int())
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_warm_up_runs_every_variant_once_first_alone_then_in_threads():
+    import threading
+
+    from hfpaged.kernels.warmup import run_all
+
+    seen, lock, first_done = [], threading.Lock(), threading.Event()
+
+    def run(index: int) -> None:
+        if index != 0:
+            assert first_done.is_set()  # the first entry ran alone, before the pool started
+        assert torch.is_inference_mode_enabled()  # the caller's mode reaches the threads
+        with lock:
+            seen.append((index, threading.current_thread().name))
+        if index == 0:
+            first_done.set()
+
+    with torch.inference_mode():
+        run_all(run, [(i,) for i in range(12)], torch.device("cpu"), workers=4)
+    assert sorted(i for i, _ in seen) == list(range(12))
+    assert seen[0] == (0, threading.current_thread().name)
+    assert {name for i, name in seen if i} <= {f"hfpaged-warmup_{n}" for n in range(4)}
+
+    def failing(index: int) -> None:
+        if index == 7:
+            raise ValueError("variant 7 failed")
+
+    with pytest.raises(ValueError, match="variant 7 failed"):
+        run_all(failing, [(i,) for i in range(12)], torch.device("cpu"), workers=4)
+    order = []
+    run_all(lambda i: order.append(i), [(i,) for i in range(5)], torch.device("cpu"))  # no pool off CUDA
+    assert order == list(range(5))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 import weakref
 from typing import TYPE_CHECKING
 
@@ -64,6 +65,7 @@ class ModelRunner:
         self._compiled = None
         self._compile_cache = None  # compile=True: the on-disk artifacts (compile_cache.py), found at first use
         self._warmed = False
+        self.warmup_seconds = 0.0  # the Triton kernel warm-up's wall time (CUDA; cold start diagnostics)
         self.num_graph_steps = 0
         self.num_eager_steps = 0
 
@@ -189,6 +191,8 @@ class ModelRunner:
             return
         from ..kernels.warmup import warm_up
 
+        start = time.perf_counter()
+
         seen = set()
         scales = self.state.kv_scales or [None] * len(self.state.layers)
         for layer, (k_cache, v_cache), layer_scales in zip(self.state.layers, self.state.kv_caches, scales):
@@ -217,6 +221,7 @@ class ModelRunner:
                 kv_scales=None if layer_scales is None else (layer_scales[0:1], layer_scales[1:2]),
             )
         torch.cuda.synchronize(self.device)
+        self.warmup_seconds = time.perf_counter() - start
 
     def _graph_forward(self, step: DeviceStep) -> torch.Tensor:
         if not self.config.compile:
