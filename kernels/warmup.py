@@ -19,8 +19,17 @@ from .paged_attention import SEARCH_BLOCK_SEQ_COUNTS, paged_attention
 from .store_kv import store_kv
 
 QUERY_LENGTHS = (1, 2, 4, 8, 16, 32, 64, 256, 2048)
-# Triton compiles overlapping in threads (see run_all); HFPAGED_WARMUP_THREADS=1 compiles one at a time
-WARMUP_THREADS = int(os.environ.get("HFPAGED_WARMUP_THREADS", "8"))
+
+
+def _threads_from_env() -> int:
+    """``HFPAGED_WARMUP_THREADS`` (default 8): Triton compiles overlapping in threads (see run_all); 1: one at a time."""
+    value = os.environ.get("HFPAGED_WARMUP_THREADS", "8")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"HFPAGED_WARMUP_THREADS must be a positive integer, got {value!r}")
+    return int(value)
+
+
+WARMUP_THREADS = _threads_from_env()
 
 
 def warm_up(

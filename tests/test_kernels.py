@@ -487,3 +487,14 @@ def test_warm_up_runs_every_variant_once_first_alone_then_in_threads():
     order = []
     run_all(lambda i: order.append(i), [(i,) for i in range(5)], torch.device("cpu"))  # no pool off CUDA
     assert order == list(range(5))
+
+
+def test_warm_up_threads_setting_is_checked(monkeypatch):
+    from hfpaged.kernels import warmup
+
+    monkeypatch.setenv("HFPAGED_WARMUP_THREADS", "3")
+    assert warmup._threads_from_env() == 3
+    for bad in ("0", "-2", "eight", ""):
+        monkeypatch.setenv("HFPAGED_WARMUP_THREADS", bad)
+        with pytest.raises(ValueError, match="HFPAGED_WARMUP_THREADS must be a positive integer"):
+            warmup._threads_from_env()

@@ -14,6 +14,7 @@ from models import make_model
 
 import hfpaged
 from hfpaged.model.tensor_parallel import check_heads, requests_fingerprint
+from hfpaged.model.tp_local import allreduce_mode, local_kind
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_worker.py")
 FUSE = {"llama": "off", "qwen2": "on"}  # the local-shard forwards alone, and fused over local shards (q/k/v bias)
@@ -133,3 +134,18 @@ def test_a_tensor_parallel_model_is_refused_by_the_server():
     model.model.layers[0].mlp.up_proj.weight.device_mesh = object()  # what a DTensor parameter carries
     with pytest.raises(ValueError, match="tensor-parallel"):
         Server(model, object(), port=0)
+
+
+def test_all_reduce_mode_setting_is_checked(monkeypatch):
+    monkeypatch.delenv("HFPAGED_TP_ALLREDUCE", raising=False)
+    assert allreduce_mode() == "auto"
+    monkeypatch.setenv("HFPAGED_TP_ALLREDUCE", "nccl")
+    assert allreduce_mode() == "nccl"
+    monkeypatch.setenv("HFPAGED_TP_ALLREDUCE", "gloo")
+    with pytest.raises(ValueError, match="HFPAGED_TP_ALLREDUCE must be 'auto' or 'nccl', got 'gloo'"):
+        allreduce_mode()
+
+
+def test_unsharded_linears_keep_their_forward():
+    model = make_model("llama")
+    assert all(local_kind(module) is None for module in model.modules())  # no transformers TP forward, no DTensor

@@ -88,6 +88,15 @@ def local_kind(module: torch.nn.Module) -> str | None:
     return ROW if standard and (module.bias is None or bias == Replicate()) else None
 
 
+def allreduce_mode() -> str:
+    """``HFPAGED_TP_ALLREDUCE``: "auto" (one-shot for small CUDA messages; the default) or "nccl" (the process group's
+    all-reduce for every size, a diagnostic switch)."""
+    mode = os.environ.get("HFPAGED_TP_ALLREDUCE", "auto")
+    if mode not in ("auto", "nccl"):
+        raise ValueError(f"HFPAGED_TP_ALLREDUCE must be 'auto' or 'nccl', got {mode!r}")
+    return mode
+
+
 class AllReduce:
     """Sum over the tensor-parallel group: symmetric-memory one-shot for small CUDA messages, else the process
     group's own all-reduce (NCCL; gloo on the CPU)."""
@@ -101,10 +110,7 @@ class AllReduce:
         self.buffers: list[torch.Tensor] = []
         self.turn = 0
         self.group_name = group.group_name
-        mode = os.environ.get("HFPAGED_TP_ALLREDUCE", "auto")
-        if mode not in ("auto", "nccl"):
-            raise ValueError(f"HFPAGED_TP_ALLREDUCE must be 'auto' or 'nccl', got {mode!r}")
-        if device.type == "cuda" and mode == "auto" and dist.get_backend(group) == "nccl":
+        if device.type == "cuda" and allreduce_mode() == "auto" and dist.get_backend(group) == "nccl":
             self.buffers = self._symmetric_buffers(device)
         _reducers[self.key] = self
 
