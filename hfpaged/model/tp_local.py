@@ -5,11 +5,12 @@ wraps the stock one: colwise layers (q/k/v, gate/up) turn DTensor parameters int
 return this rank's output features; rowwise layers (o_proj, down_proj) compute a partial sum and run
 ``dist.all_reduce`` on it (NCCL). Under CUDA graphs that host work costs nothing, but two things remain:
 
-- NCCL's all-reduce of a few KB (a decode step's hidden states) takes ~16 us on two NVLink-connected H200s, and a
-  Llama layer has two of them: 1 ms of a 6 ms token at batch 1. ``torch.distributed._symmetric_memory``'s one-shot
-  all-reduce (every rank copies its part into a buffer its peers can read, then each rank sums all parts; no
-  multicast) is a single small kernel. It is used for messages up to ``SYMM_BYTES``; larger ones (prefill
-  chunks) go to NCCL, whose ring is better there. Both run inside CUDA graphs.
+- NCCL's all-reduce of a few KB (a decode step's hidden states) takes 18-20 us in a CUDA graph on two
+  NVLink-connected H200s (7.5 us inside a decode step), and a Llama layer has two of them.
+  ``torch.distributed._symmetric_memory``'s one-shot all-reduce (every rank copies its part into a buffer its peers
+  can read, then each rank sums all parts; no multicast) is one small kernel: 6.7 us (7.0 us inside a step). It is
+  used for messages up to ``SYMM_BYTES``; larger ones (prefill chunks) go to NCCL. Both run inside CUDA graphs.
+  (Measured in session 8: ``notes/tensor_parallel.md``.)
 - The sharded projections are DTensor parameters, so ``fuse_projections`` could not fuse them. Here every
   colwise/rowwise ``Linear`` that transformers sharded the standard way gets, for the paged step only, a forward
   over its local tensors (the DTensor's own ``_local_tensor``, no copy); fusion then treats the colwise groups
