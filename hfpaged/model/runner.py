@@ -14,6 +14,8 @@ import inspect
 import logging
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -164,6 +166,19 @@ class ModelRunner:
 
     # --- forward ----------------------------------------------------------------------------------
 
+    @contextmanager
+    def _model_step(self) -> Iterator[None]:
+        """What every paged forward of the model runs inside: paged attention on, eval mode, and for the step's
+        duration the local-shard (tensor parallel) and fused projection forwards."""
+        state = self.state
+        with (
+            paged_forward(state.attn_configs, state.forward_lock),
+            eval_mode(self.model),
+            local_step(state.local_tp),
+            fused_step(state.fused_projections),
+        ):
+            yield
+
     def forward(
         self, step: DeviceStep, logits_indices: torch.Tensor | list[int] | int | None = None, calibrate: bool = False
     ) -> torch.Tensor:
@@ -171,11 +186,8 @@ class ModelRunner:
         context = PagedStep(step.metadata, self.store_fn, self.attention_fn, calibrate)
         keep = step.logits_indices if logits_indices is None else logits_indices
         kwargs = {"logits_to_keep": keep} if self.supports_logits_to_keep else {}
-        model = self.model
-        fused = fused_step(self.state.fused_projections)
-        local = local_step(self.state.local_tp)
-        with paged_forward(self.state.attn_configs, self.state.forward_lock), eval_mode(model), local, fused:
-            output = model(
+        with self._model_step():
+            output = self.model(
                 input_ids=step.input_ids, position_ids=step.position_ids, use_cache=False, hfpaged=context, **kwargs
             )
         logits = output.logits[0]
@@ -229,9 +241,7 @@ class ModelRunner:
         if self._compiled is None:
             self._compiled = self._compile_decode_forward()
         meta = step.metadata  # reaches the attention as forward kwargs: no step context needed
-        fused = fused_step(self.state.fused_projections)
-        local = local_step(self.state.local_tp)
-        with paged_forward(self.state.attn_configs, self.state.forward_lock), eval_mode(self.model), local, fused:
+        with self._model_step():
             logits = self._compiled(
                 self.model,
                 step.input_ids,

@@ -185,16 +185,12 @@ class _Shard:
 def _local_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     shard = module.__dict__.get("_hfpaged_tp")
     if shard is None or (not torch.compiler.is_compiling() and threading.get_ident() != shard.layer.thread):
-        return shard_forward_stock(module, x)
+        # a call from another thread during the step, or one that met the forward as the step ended
+        return module._hfpaged_tp_stock(x)  # transformers' own tensor-parallel forward
     if shard.kind == COL:
         return F.linear(x, shard.weight, shard.bias)
     y = torch.ops.hfpaged.tp_all_reduce(F.linear(x, shard.weight), shard.layer.reduce.key)
     return y if shard.bias is None else y + shard.bias
-
-
-def shard_forward_stock(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """transformers' own tensor-parallel forward of ``module`` (a call from another thread during a step)."""
-    return module._hfpaged_tp_stock(x)
 
 
 class LocalProjections:
