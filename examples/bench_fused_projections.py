@@ -53,7 +53,12 @@ def patched_memory(model, fuse: bool, compile: bool, num_blocks: int) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-3.2-1b", choices=list(MODELS))
-    parser.add_argument("--compile", action="store_true", help="patch(compile=True): the compiled decode graphs")
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="patch(compile=...): default None (compiled layers on CUDA); --no-compile: eager layers",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="alternations of unfused / fused")
     parser.add_argument("--repeats", type=int, default=3, help="batch-1 runs per round")
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -93,7 +98,10 @@ def main(argv=None):
         )
     print(f"  fused saves {gain:.3f} ms/token ({gain / result['unfused_ms']:.1%})")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"fused_projections_{args.model}{'_compiled' if args.compile else ''}.json")
+    path = os.path.join(
+        args.out,
+        f"fused_projections_{args.model}{ {None: '', True: '_compiled', False: '_nocompile'}[args.compile] }.json",
+    )
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {path}")

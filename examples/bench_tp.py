@@ -7,7 +7,7 @@ once to ``~/.cache/hfpaged/tp/``, every rank loads them: ``tp_plan="auto"`` when
     torchrun --nproc-per-node 2 examples/bench_tp.py --random-shape llama-3.1-8b --out tp_out
     python examples/bench_tp.py --compare tp_out/tp1.json tp_out/tp2.json
 
-Each run writes ``tp<N>.json`` (``tp<N>_compile.json`` with ``--compile``; rank 0): hfpaged tok/s on the chat workload (256 requests, prompts of 32-512
+Each run writes ``tp<N>.json`` (``tp<N>_compile.json`` / ``tp<N>_nocompile.json`` with ``--compile`` / ``--no-compile``; rank 0): hfpaged tok/s on the chat workload (256 requests, prompts of 32-512
 tokens, 128 new each), the same requests through transformers' ``generate_batch`` on the same (sharded) model,
 and batch-1 decode ms/token. ``--compare`` prints TP=N against TP=1: the targets are batch-1 <= 0.6x of TP=1's
 ms/token and throughput >= 1.6x.
@@ -63,7 +63,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--gb-requests", type=int, default=256, help="requests given to generate_batch (0: skip)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--compile", action="store_true", help="patch with compile=True (files tp<N>_compile.json)")
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="patch(compile=...): default None (compiled layers on CUDA); --no-compile: eager layers",
+    )
     parser.add_argument("--out", default="tp_out")
     parser.add_argument("--compare", nargs=2, metavar=("TP1_JSON", "TPN_JSON"))
     args = parser.parse_args()
@@ -125,7 +130,12 @@ def main() -> None:
     log(rank, f"batch-1 decode: {result['batch1_ms_per_token']:.3f} ms/token")
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"tp{world}{'_compile' if args.compile else ''}.json"), "w") as f:
+        with open(
+            os.path.join(
+                args.out, f"tp{world}{ {None: '', True: '_compile', False: '_nocompile'}[args.compile] }.json"
+            ),
+            "w",
+        ) as f:
             json.dump(result, f, indent=1)
     # On two H200s, destroy_process_group() hung after a run whose CUDA graphs replayed NCCL calls (the graphs
     # were still alive): end the process without tearing the communicators down (every result is written).

@@ -15,8 +15,8 @@ Workloads:
   long   32 requests, prompt length ~ U[4096, 8192], 128 new tokens each: prefill-bound.
 (--requests N gives every workload N requests instead.) --sections cold measures the cold start: a fresh
 process loads the model, patches it and times the first generate_many (8 chat prompts, 16 new tokens),
-with empty Triton/Inductor/hfpaged-compile caches and then again with the caches that run filled (with
---compile also with the hfpaged compile cache alone filled).
+with empty Triton/Inductor/hfpaged-compile caches and then again with the caches that run filled (unless
+--no-compile, also with the hfpaged compile cache alone filled).
 Stock generate runs padded batches of 64 on a subset (--stock-requests), counting only each
 request's own tokens. Also: batch-1 decode latency against the weight-bandwidth roofline, the share
 of allocated KV slots holding real tokens during the hfpaged run, and (--prefix) prefix caching
@@ -146,19 +146,20 @@ WORKLOADS = ("nano", "chat", "churn", "long")
 WORKLOAD_REQUESTS = {"nano": 256, "chat": 256, "churn": 1000, "long": 32}
 
 
-def cold_start(name: str, compile: bool) -> dict:
+def cold_start(name: str, compile: bool | None) -> dict:
     """Patch -> first result in a fresh process: with empty kernel caches ("cold": empty Triton, Inductor and
-    hfpaged compile caches), then with the caches that first process filled ("warm"); with ``compile`` also
-    with only the hfpaged compile cache filled ("hfpaged_cache_only": fresh Triton and Inductor directories,
-    as on a new machine that keeps ~/.cache)."""
+    hfpaged compile caches), then with the caches that first process filled ("warm"); unless ``compile`` is False
+    (compiled layers: the default) also with only the hfpaged compile cache filled ("hfpaged_cache_only": fresh
+    Triton and Inductor directories, as on a new machine that keeps ~/.cache)."""
     import subprocess
     import tempfile
 
     results = {}
     with tempfile.TemporaryDirectory() as cache:
-        command = [sys.executable, os.path.abspath(__file__), "--cold-start-child", name] + (["--compile"] * compile)
+        command = [sys.executable, os.path.abspath(__file__), "--cold-start-child", name]
+        command += {None: [], True: ["--compile"], False: ["--no-compile"]}[compile]
         command += ["--compile-cache-dir", os.path.join(cache, "hfpaged")]
-        runs = [("cold", "1"), ("warm", "1")] + ([("hfpaged_cache_only", "2")] if compile else [])
+        runs = [("cold", "1"), ("warm", "1")] + ([("hfpaged_cache_only", "2")] if compile is not False else [])
         for label, generation in runs:
             env = dict(os.environ)
             env["TRITON_CACHE_DIR"] = os.path.join(cache, "triton" + generation)
@@ -173,7 +174,7 @@ def cold_start(name: str, compile: bool) -> dict:
     return results
 
 
-def cold_start_child(name: str, compile: bool, compile_cache_dir: str | None = None) -> None:
+def cold_start_child(name: str, compile: bool | None, compile_cache_dir: str | None = None) -> None:
     import hfpaged
 
     start = time.perf_counter()
@@ -186,14 +187,19 @@ def cold_start_child(name: str, compile: bool, compile_cache_dir: str | None = N
     model.generate_many(prompts, max_new_tokens=16, do_sample=False)
     torch.cuda.synchronize()
     done = time.perf_counter()
+    runner = model._hfpaged.engine.runner
     times = {"load_s": loaded - start, "patch_s": patched - loaded, "patch_to_first_result_s": done - loaded}
-    times["kernel_warmup_s"] = model._hfpaged.engine.runner.warmup_seconds  # our Triton kernels' compile
-    if compile:
-        from torch._dynamo.utils import counters
+    times["kernel_warmup_s"] = runner.warmup_seconds  # our Triton kernels' compile
+    times["capture_decode_s"] = runner.capture_seconds["decode"]  # torch.compile of the layers included
+    times["capture_mixed_s"] = runner.capture_seconds["mixed"]
+    times["compiled_layers"] = runner.compile
+    if runner.compile:
+        from torch._dynamo.utils import compilation_time_metrics, counters
 
         times["dynamo_graphs"] = counters["stats"]["unique_graphs"]
         times["fxgraph_cache_hit"] = counters["inductor"]["fxgraph_cache_hit"]
         times["fxgraph_cache_miss"] = counters["inductor"]["fxgraph_cache_miss"]
+        times["dynamo_compile_s"] = sum(compilation_time_metrics.get("_compile.compile_inner", []))
     print("COLD_START " + json.dumps(times), flush=True)
 
 
@@ -681,7 +687,10 @@ def main(argv=None):
     parser.add_argument("--stock-requests", type=int, default=64, help="requests given to stock generate (0: skip)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument(
-        "--compile", action="store_true", help="hfpaged with patch(compile=True) (torch.compile in the decode graphs)"
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="patch(compile=...): default None (compiled layers on CUDA); --no-compile: eager layers",
     )
     parser.add_argument("--out", default="bench_out", help="folder for benchmark.json and benchmark.png")
     args = parser.parse_args(argv)

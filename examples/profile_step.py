@@ -30,7 +30,12 @@ def main(argv=None):
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", default="prof_out")
-    parser.add_argument("--compile", action="store_true", help="patch(compile=True): compiled decode graphs")
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="patch(compile=...): default None (compiled layers on CUDA); --no-compile: eager layers",
+    )
     parser.add_argument("--no-async", action="store_true", help="async_scheduling=False (read tokens every step)")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)

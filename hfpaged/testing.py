@@ -21,7 +21,7 @@ def greedy_parity(
     prompts: list[list[int]] | None = None,
     num_prompts: int = 32,
     new_tokens: int = 32,
-    compile: bool = False,
+    compile: bool | None = None,
     stop_at_eos: bool = False,
     **patch_options: Any,
 ) -> dict[str, Any]:

@@ -10,21 +10,24 @@ if not torch.cuda.is_available():
 
 CUDA = torch.cuda.is_available()
 
-# HFPAGED_TEST_COMPILE=1: every patch() that does not say otherwise runs with compile=True (the GPU suite
-# under the compiled fast path, before compile can become the default; decode graphs are where it applies)
-if os.environ.get("HFPAGED_TEST_COMPILE") == "1":
+# HFPAGED_TEST_COMPILE=0 / =1: every patch() that does not say otherwise runs with compile=False / compile=True
+# instead of the default (None: compiled layers on CUDA), e.g. the GPU suite once more with eager layers
+_TEST_COMPILE = os.environ.get("HFPAGED_TEST_COMPILE")
+if _TEST_COMPILE is not None:
     import dataclasses
     import importlib
 
     from hfpaged.core.config import EngineConfig as _EngineConfig
 
+    if _TEST_COMPILE not in ("0", "1"):
+        raise ValueError(f"HFPAGED_TEST_COMPILE must be 0 or 1, got {_TEST_COMPILE!r}")
     _patch_module = importlib.import_module("hfpaged.patch")  # the module (hfpaged.patch is also the function)
 
     @dataclasses.dataclass
-    class _CompiledByDefault(_EngineConfig):
-        compile: bool = True
+    class _CompileForTests(_EngineConfig):
+        compile: bool | None = _TEST_COMPILE == "1"
 
-    _patch_module.EngineConfig = _CompiledByDefault
+    _patch_module.EngineConfig = _CompileForTests
 
 
 def pytest_collection_modifyitems(config, items):

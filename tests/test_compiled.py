@@ -35,28 +35,7 @@ def compiled_decode(model, prompts, max_new_tokens=6, max_steps=None, **options)
     """Prefill eagerly, then drive scheduler and runner through the compiled decode forward (no step may be left
     in flight); (generated ids per prompt, the runner)."""
     patch_compiled(model, **options)
-    engine = hfpaged.Engine(model)
-    for p in prompts:
-        engine.add_request(p, max_new_tokens=max_new_tokens, do_sample=False)
-    engine.step()  # prefill, eager
-    core = engine.core
-    requests = list(core.scheduler.running)
-    runner = core.runner
-    num_steps = 0
-    while core.has_unfinished() and (max_steps is None or num_steps < max_steps):
-        out = core.scheduler.schedule()
-        assert all(s.num_tokens == 1 for s in out.scheduled)
-        runner.batch.update(out)
-        host = runner.batch.pack(out.scheduled, None)
-        with torch.inference_mode():
-            logits = runner._graph_forward(device_views(torch.from_numpy(host.packed), host))  # the compiled forward
-        tokens = logits[: host.num_sampled].argmax(-1).tolist()
-        for state, token in zip(host.sample_states, tokens):
-            state.append_token(token)  # what reading a StepResult does
-        request_ids = [state.request_id for state in host.sample_states]
-        core.scheduler.update_from_output(out, ModelRunnerOutput(request_ids, tokens))
-        num_steps += 1
-    return [r.output_token_ids for r in requests], runner
+    return _decode_with(model, hfpaged.Engine(model).core.runner, prompts, max_new_tokens, max_steps)
 
 
 @pytest.mark.slow
@@ -90,19 +69,23 @@ def test_identical_layers_share_one_compiled_graph():
     assert all("forward" not in layer.__dict__ for layer in blocks + others)  # stock calls run uncompiled
 
 
-def test_every_decode_bucket_shares_each_regions_two_graphs():
+@pytest.mark.parametrize("min_batch", [2, 1])
+def test_every_decode_bucket_shares_each_regions_graphs(min_batch):
     # The decode CUDA graphs' capture (StepGraphs.capture, here without CUDA): the compiled forward once per batch
-    # bucket, largest first, on views of the static input buffers. Each region compiles once for batch >= 2 and
-    # once for batch 1 (dynamo specialises size 1). The fused projections' per-member forwards used to make it a
-    # graph per layer, and duck sizing (the largest batch equals the block-table buffer's rows) one more for the
-    # largest bucket, until dynamo's recompile limit (8) left the other layers and buckets uncompiled.
+    # bucket, largest first, on views of the static input buffers. With compiled layers the runner leaves out
+    # batch 1 (min_batch=2: a lone sequence pads into the 2-row graph), so each region compiles ONE graph for every
+    # bucket; a batch-1 bucket would specialise a second one (dynamo specialises size 1). The fused projections'
+    # per-member forwards used to make it a graph per layer, and duck sizing (the largest batch equals the
+    # block-table buffer's rows) one more for the largest bucket, until dynamo's recompile limit (8) left the other
+    # layers and buckets uncompiled.
     torch._dynamo.reset()
     counters.clear()
     model = make_model("qwen3", num_hidden_layers=3)
     patch_compiled(model, fuse_projections=True, max_num_seqs=8)
     runner = hfpaged.Engine(model).core.runner
-    graphs = StepGraphs(torch.device("cpu"), 8, runner.graph_width, runner.block_size)
-    assert graphs.buckets == [1, 2, 4, 8]
+    graphs = StepGraphs(torch.device("cpu"), 8, runner.graph_width, runner.block_size, min_batch=min_batch)
+    assert graphs.buckets == [1, 2, 4, 8][min_batch - 1 :]
+    assert graphs.bucket_for(1, 1) == min_batch  # a lone decode sequence
     with torch.inference_mode():
         for bucket in reversed(graphs.buckets):
             dummy = torch.from_numpy(graphs._dummy_inputs(bucket))
@@ -110,9 +93,10 @@ def test_every_decode_bucket_shares_each_regions_two_graphs():
             step = graphs._views(bucket)
             compiled = runner._graph_forward(step)
             torch.testing.assert_close(compiled, runner.forward(step, logits_indices=0), rtol=1e-4, atol=1e-4)
-    assert _num_compiled(custom_ops._call_block) == 2  # three layers, batch >= 2 and batch 1
-    assert _num_compiled(custom_ops._call_other) == 4  # the final norm and the rotary embedding, the same two each
-    assert counters["stats"]["unique_graphs"] == 6
+    per_size = 1 if min_batch == 2 else 2  # batch >= 2, and batch 1 when its bucket exists
+    assert _num_compiled(custom_ops._call_block) == per_size  # three layers share it
+    assert _num_compiled(custom_ops._call_other) == 2 * per_size  # the final norm and the rotary embedding
+    assert counters["stats"]["unique_graphs"] == 3 * per_size
     assert not counters["graph_break"]
 
 
@@ -153,3 +137,67 @@ def test_whole_model_fallback_without_a_layer_list(monkeypatch):
     generated, _ = compiled_decode(model, prompts, max_new_tokens=2)
     assert generated == expected
     assert _num_compiled(custom_ops._call_block) == 0
+
+
+def test_default_compile_falls_back_to_eager_layers_on_a_compile_error(monkeypatch, caplog):
+    # compile=None (the default) turns compile on for CUDA; a model torch.compile cannot take must still run, with
+    # eager layers and a warning. compile=True asked for it: the same error stands.
+    from torch._dynamo.exc import Unsupported
+
+    def failing_compile(max_seqlen_k):
+        def compiled(*args):
+            raise Unsupported("a layer dynamo cannot trace")
+
+        return compiled
+
+    monkeypatch.setattr(custom_ops, "compile_decode_forward", failing_compile)
+    model = make_model("llama")
+    prompts = random_prompts([5, 9, 3], seed=1)
+    expected = reference_generate(model, prompts, max_new_tokens=4, do_sample=False)
+    hfpaged.patch(model, num_blocks=64, block_size=4, async_scheduling=False, compile_cache_dir="")
+    runner = hfpaged.Engine(model).core.runner
+    assert runner.config.compile is None and runner.compile is False  # the default on the CPU: nothing compiled
+    runner.compile = True  # what the default resolves to on CUDA
+    generated, _ = _decode_with(model, runner, prompts, max_new_tokens=4)
+    assert generated == expected
+    assert runner.compile is False and runner._compiled is None
+    assert "torch.compile failed (Unsupported" in caplog.text
+    hfpaged.unpatch(model)
+    compiled_model = make_model("llama")
+    patch_compiled(compiled_model)
+    with pytest.raises(Unsupported, match="cannot trace"):
+        _decode_with(compiled_model, hfpaged.Engine(compiled_model).core.runner, prompts, max_new_tokens=4)
+
+
+def _decode_with(model, runner, prompts, max_new_tokens, max_steps=None):
+    """Prefill eagerly, then drive scheduler and runner through the compiled decode forward (no step may be left
+    in flight); (generated ids per prompt, the runner)."""
+    engine = hfpaged.Engine(model)
+    for p in prompts:
+        engine.add_request(p, max_new_tokens=max_new_tokens, do_sample=False)
+    engine.step()  # prefill, eager
+    core = engine.core
+    requests = list(core.scheduler.running)
+    num_steps = 0
+    while core.has_unfinished() and (max_steps is None or num_steps < max_steps):
+        out = core.scheduler.schedule()
+        assert all(s.num_tokens == 1 for s in out.scheduled)
+        runner.batch.update(out)
+        host = runner.batch.pack(out.scheduled, None)
+        with torch.inference_mode():
+            logits = runner._graph_forward(device_views(torch.from_numpy(host.packed), host))  # the compiled forward
+        tokens = logits[: host.num_sampled].argmax(-1).tolist()
+        for state, token in zip(host.sample_states, tokens):
+            state.append_token(token)  # what reading a StepResult does
+        request_ids = [state.request_id for state in host.sample_states]
+        core.scheduler.update_from_output(out, ModelRunnerOutput(request_ids, tokens))
+        num_steps += 1
+    return [r.output_token_ids for r in requests], runner
+
+
+def test_compile_option_values():
+    from hfpaged.core.config import EngineConfig
+
+    assert EngineConfig().compile is None
+    with pytest.raises(ValueError, match="compile must be True, False or None, got 'yes'"):
+        EngineConfig(compile="yes")

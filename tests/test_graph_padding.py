@@ -40,6 +40,8 @@ def test_token_and_batch_buckets():
     assert token_buckets(100) == [16, 32, 64, 100]
     assert token_buckets(8) == [8]
     assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_buckets(20, min_batch=2) == [2, 4, 8, 16, 20]  # compiled layers: batch 1 pads into 2
+    assert batch_buckets(1, min_batch=2) == [1] and batch_buckets(2, min_batch=2) == [2]
     graphs = StepGraphs(torch.device("cpu"), 8, 16, 16, mixed=True, max_num_tokens=64)
     assert [graphs.shape(b) for b in graphs.buckets] == [(16, 9), (32, 9), (64, 9)]
     assert graphs.bucket_for(17, 3) == 32 and graphs.bucket_for(65, 3) is None
@@ -48,6 +50,7 @@ def test_token_and_batch_buckets():
     assert wide.static_block_tables.shape == (9, 128) and wide.width == 16
     decode = StepGraphs(torch.device("cpu"), 8, 16, 16)
     assert decode.shape(4) == (4, 4) and decode.bucket_for(3, 3) == 4
+    assert StepGraphs(torch.device("cpu"), 8, 16, 16, min_batch=2).bucket_for(1, 1) == 2
 
 
 @pytest.mark.parametrize("kernel", ["torch", "triton"])

@@ -40,6 +40,10 @@ def check_ranks(results: list[dict], num_kv_heads: int, arch: str, device: str) 
         assert result["local_projections"] == 7 * layers  # q/k/v/o and gate/up/down of every layer: local shards
         assert result["fused_groups"] == (2 * layers if FUSE[arch] == "on" else 0)
         assert ("one-shot" in result["all_reduce"]) == (device == "cuda")  # symmetric memory on NVLink GPUs
+        if device == "cuda":  # each path (8 KiB, 1 MiB, 16 MiB; float32, bf16) equals NCCL's sum of two ranks
+            paths = result["all_reduce_paths"]
+            assert {path for path, _ in paths.values()} == {"one_shot", "two_shot", "process_group"}, paths
+            assert all(equal for _, equal in paths.values()), paths
         assert result["kept_stock"] == [None, None]
     assert first["expected"] and any(len(set(seq)) > 3 for seq in first["expected"])  # the model's output varies
     for result in results:

@@ -57,6 +57,16 @@ def main() -> None:
     result["local_projections"] = len(state.local_tp.members) if state.local_tp is not None else 0
     result["fused_groups"] = len(state.fused_projections.groups)
     result["all_reduce"] = state.local_tp.reduce.kind if state.local_tp is not None else None
+    if device.type == "cuda":  # every path of the all-reduce against the process group's own sum
+        reduce, checks = state.local_tp.reduce, {}
+        gen = torch.Generator(device).manual_seed(rank)
+        for numel in (2048, 1 << 18, 1 << 22):  # float32: 8 KiB one-shot, 1 MiB two-shot, 16 MiB NCCL
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (torch.randn(numel, device=device, generator=gen) * (rank + 1)).to(dtype)
+                want = x.clone()
+                dist.all_reduce(want, group=reduce.group)
+                checks[f"{numel}/{dtype}"] = [reduce.path(x), torch.equal(reduce(x), want)]
+        result["all_reduce_paths"] = checks
     # the gathered lm head and the vocab-sharded embedding keep transformers' forwards
     result["kept_stock"] = [local_kind(sharded.lm_head), local_kind(sharded.get_input_embeddings())]
     stats = hfpaged.stats(sharded)

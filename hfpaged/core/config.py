@@ -21,8 +21,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto": Triton kernels on CUDA, torch reference elsewhere
     enforce_eager: bool = False  # True: never capture CUDA graphs
     async_scheduling: bool = True  # overlap the host's work for the next step with the device's current step
-    compile: bool = False  # torch.compile the decode forward captured in the CUDA graphs (CUDA + Triton only)
-    compile_cache_dir: str | None = None  # compile=True: torch.compile artifacts on disk, keyed by model config,
+    compile: bool | None = None  # torch.compile the decoder layers of the decode steps captured in CUDA graphs
+    # (CUDA, Triton attention; nothing is compiled where graphs are off); None: on for CUDA; False: off
+    compile_cache_dir: str | None = None  # compile: torch.compile artifacts on disk, keyed by model config,
     # dtype, device and versions; None: ~/.cache/hfpaged/compile; "": no hfpaged cache (torch's own stays)
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
@@ -62,6 +63,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_scales is not None:
             self._check_kv_cache_scales()
+        if self.compile is not None and not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be True, False or None, got {self.compile!r}")
         if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):
             raise ValueError(f"fuse_projections must be True, False or None, got {self.fuse_projections!r}")
         if self.compile_cache_dir is not None and not isinstance(self.compile_cache_dir, str):

@@ -30,9 +30,10 @@ from .input_batch import DeviceStep, packed_size, padded_width, region_slices, t
 logger = logging.getLogger("hfpaged")
 
 
-def batch_buckets(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 8 up to max_num_seqs (and max_num_seqs itself)."""
-    buckets = [b for b in (1, 2, 4) if b < max_num_seqs]
+def batch_buckets(max_num_seqs: int, min_batch: int = 1) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to max_num_seqs (and max_num_seqs itself); ``min_batch=2`` leaves
+    out 1 (a lone sequence then pads into the 2-row graph) unless max_num_seqs is 1."""
+    buckets = [b for b in (1, 2, 4) if min_batch <= b < max_num_seqs]
     buckets += list(range(8, max_num_seqs + 1, 8))
     if not buckets or buckets[-1] != max_num_seqs:
         buckets.append(max_num_seqs)
@@ -63,12 +64,13 @@ class StepGraphs:
         *,
         mixed: bool = False,
         max_num_tokens: int | None = None,
+        min_batch: int = 1,
     ):
         self.width = width  # block-table columns of a real request (longer ones run eagerly)
         self.max_seqlen_k = width * block_size  # the attention grid hint baked into the graphs
         self.mixed = mixed
         self.max_num_seqs = max_num_seqs
-        self.buckets = token_buckets(max_num_tokens) if mixed else batch_buckets(max_num_seqs)
+        self.buckets = token_buckets(max_num_tokens) if mixed else batch_buckets(max_num_seqs, min_batch)
         self.device = device
         largest_tokens, largest_reqs = self.shape(self.buckets[-1])
         self.static = torch.zeros(packed_size(largest_tokens, largest_reqs, 0), dtype=torch.int32, device=device)
@@ -142,7 +144,9 @@ class StepGraphs:
             self.static_block_tables.zero_()
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
+                # warm up outside the capture (lazy initialisation, torch.compile, cuBLAS's choice for the shape):
+                # twice for the first (largest) bucket, once for each later one, which only meets a new shape
+                for _ in range(2 if bucket == self.buckets[-1] else 1):
                     logits = forward(self._views(bucket))
             torch.cuda.current_stream(self.device).wait_stream(stream)
             if self.mixed and shared is None:

@@ -64,10 +64,13 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None  # decode-only steps, by batch bucket
         self.mixed_graphs: StepGraphs | None = None  # steps with prefill tokens, by token bucket
         self.use_mixed_graphs = True  # off once their capture ran out of memory
+        # compile=None (the default) compiles on CUDA; an error while compiling then falls back to eager layers
+        self.compile = state.config.compile if state.config.compile is not None else self.device.type == "cuda"
         self._compiled = None
-        self._compile_cache = None  # compile=True: the on-disk artifacts (compile_cache.py), found at first use
+        self._compile_cache = None  # compile: the on-disk artifacts (compile_cache.py), found at first use
         self._warmed = False
         self.warmup_seconds = 0.0  # the Triton kernel warm-up's wall time (CUDA; cold start diagnostics)
+        self.capture_seconds = {"decode": 0.0, "mixed": 0.0}  # graph capture wall time, compiles included
         self.num_graph_steps = 0
         self.num_eager_steps = 0
 
@@ -236,22 +239,35 @@ class ModelRunner:
         self.warmup_seconds = time.perf_counter() - start
 
     def _graph_forward(self, step: DeviceStep) -> torch.Tensor:
-        if not self.config.compile:
+        if not self.compile:
             return self.forward(step, logits_indices=0)  # every token of a decode batch is sampled
         if self._compiled is None:
             self._compiled = self._compile_decode_forward()
         meta = step.metadata  # reaches the attention as forward kwargs: no step context needed
-        with self._model_step():
-            logits = self._compiled(
-                self.model,
-                step.input_ids,
-                step.position_ids,
-                meta.slot_mapping,
-                meta.block_tables,
-                meta.seq_lens,
-                meta.cu_seqlens_q,
-            )
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        try:
+            with self._model_step():
+                logits = self._compiled(
+                    self.model,
+                    step.input_ids,
+                    step.position_ids,
+                    meta.slot_mapping,
+                    meta.block_tables,
+                    meta.seq_lens,
+                    meta.cu_seqlens_q,
+                )
+        except Exception as error:
+            # compile by default (None) must not cost a model that torch.compile cannot take its graphs: a
+            # failed compile (the graph capture's warm-up calls first, never inside a capture) falls back to
+            # the eager layers for good. compile=True asked for it: the error stands.
+            if self.config.compile is not None or capturing or not _is_compile_error(error):
+                raise
+            logger.warning(
+                "hfpaged: torch.compile failed (%s: %s); decode steps run eager layers", type(error).__name__, error
+            )
+            self.compile = False
+            self._compiled = None
+            return self.forward(step, logits_indices=0)
         if self._compile_cache is not None and not capturing:
             self._compile_cache.save()  # writes only when this forward compiled something the file lacks
         return logits
@@ -262,7 +278,7 @@ class ModelRunner:
         from .custom_ops import compile_decode_forward
 
         max_seqlen_k = self.graph_width * self.block_size
-        if self._compile_cache is None:
+        if self._compile_cache is None:  # built once: compile_decode_forward below is cheap (no trace yet)
             options = {
                 "block_size": self.block_size,
                 "max_seqlen_k": max_seqlen_k,
@@ -288,8 +304,14 @@ class ModelRunner:
                 self.block_size,
                 mixed=mixed,
                 max_num_tokens=self.config.max_num_batched_tokens,
+                # compiled layers: a lone sequence pads into the 2-row graph, so dynamo traces one layer graph
+                # (batch 1 would specialise a second one: seconds of every start for a few us per token)
+                min_batch=2 if self.compile and not mixed else 1,
             )
-            if self._capture(graphs, self.forward if mixed else self._graph_forward):
+            start = time.perf_counter()
+            captured_ok = self._capture(graphs, self.forward if mixed else self._graph_forward)
+            self.capture_seconds["mixed" if mixed else "decode"] += time.perf_counter() - start
+            if captured_ok:
                 captured = graphs
                 if mixed:
                     self.mixed_graphs = graphs
@@ -341,3 +363,9 @@ class ModelRunner:
             dst = torch.tensor([c[1] for c in copies], device=k.device)
             k.index_copy_(0, dst, k.index_select(0, src))
             v.index_copy_(0, dst, v.index_select(0, src))
+
+
+def _is_compile_error(error: Exception) -> bool:
+    """An error raised by torch.compile's tracing or code generation (not by the model's own code run eagerly)."""
+    module = type(error).__module__ or ""
+    return module.startswith(("torch._dynamo", "torch._inductor", "torch.fx", "torch._subclasses"))

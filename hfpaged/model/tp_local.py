@@ -9,7 +9,9 @@ return this rank's output features; rowwise layers (o_proj, down_proj) compute a
   NVLink-connected H200s (7.5 us inside a decode step), and a Llama layer has two of them.
   ``torch.distributed._symmetric_memory``'s one-shot all-reduce (every rank copies its part into a buffer its peers
   can read, then each rank sums all parts; no multicast) is one small kernel: 6.7 us (7.0 us inside a step). It is
-  used for messages up to ``SYMM_BYTES``; larger ones (prefill chunks) go to NCCL. Both run inside CUDA graphs.
+  used for messages up to ``SYMM_BYTES``, from ``TWO_SHOT_BYTES`` (batches of 64+ rows at hidden 4,096) as the two-shot
+  variant (each rank sums 1/N of the message, then gathers the other sums); larger ones (prefill chunks) go to NCCL.
+  All run inside CUDA graphs.
   (Measured in session 8: ``notes/tensor_parallel.md``.)
 - The sharded projections are DTensor parameters, so ``fuse_projections`` could not fuse them. Here every
   colwise/rowwise ``Linear`` that transformers sharded the standard way gets, for the paged step only, a forward
@@ -39,7 +41,8 @@ import torch.nn.functional as F
 logger = logging.getLogger("hfpaged")
 
 COL, ROW = "colwise", "rowwise"
-SYMM_BYTES = 8 << 20  # the largest message the one-shot all-reduce takes (a 1,024-token step at hidden 4,096 in bf16)
+SYMM_BYTES = 8 << 20  # the largest message the symmetric-memory all-reduce takes (a 1,024-token step at hidden 4,096)
+TWO_SHOT_BYTES = 512 << 10  # from this size the two-shot all-reduce (measured on two H200s: 1 MiB 11.6 vs 14.8 us)
 _reducers: dict[int, AllReduce] = {}
 _keys = itertools.count()
 _op_lock = threading.Lock()
@@ -111,6 +114,10 @@ class AllReduce:
         self.buffers: list[torch.Tensor] = []
         self.turn = 0
         self.group_name = group.group_name
+        self.world_size = dist.get_world_size(group)
+        # messages of TWO_SHOT_BYTES+: reduce-scatter then all-gather through the symmetric buffer (each rank reads
+        # 1/N of every peer's part instead of all of it); torch builds without it keep the one-shot
+        self.two_shot = hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out")
         if device.type == "cuda" and allreduce_mode() == "auto" and dist.get_backend(group) == "nccl":
             self.buffers = self._symmetric_buffers(device)
         _reducers[self.key] = self
@@ -134,16 +141,37 @@ class AllReduce:
 
     @property
     def kind(self) -> str:
-        return "one-shot (symmetric memory) up to 8 MiB, then NCCL" if self.buffers else "process group"
+        if not self.buffers:
+            return "process group"
+        two_shot = f", two-shot from {TWO_SHOT_BYTES >> 10} KiB" if self.two_shot else ""
+        return f"one-shot (symmetric memory){two_shot} up to {SYMM_BYTES >> 20} MiB, then NCCL"
+
+    def path(self, x: torch.Tensor) -> str:
+        """Which all-reduce ``x`` takes: "one_shot", "two_shot" or "process_group"."""
+        nbytes = x.numel() * x.element_size()
+        if not (self.buffers and x.is_cuda and nbytes <= SYMM_BYTES and SYMM_BYTES % x.element_size() == 0):
+            return "process_group"
+        # two-shot splits the message into one 16-byte aligned part per rank
+        return (
+            "two_shot"
+            if self.two_shot and nbytes >= TWO_SHOT_BYTES and nbytes % (16 * self.world_size) == 0
+            else "one_shot"
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
-        nbytes = x.numel() * x.element_size()
-        if self.buffers and x.is_cuda and nbytes <= SYMM_BYTES and SYMM_BYTES % x.element_size() == 0:
+        path = self.path(x)
+        if path != "process_group":
             out = torch.empty_like(x)
             self.turn ^= 1
             staging = self.buffers[self.turn].view(x.dtype)[: x.numel()]
-            torch.ops.symm_mem.one_shot_all_reduce_copy_out(staging, x.view(-1), "sum", self.group_name, out.view(-1))
+            if path == "two_shot":
+                staging.copy_(x.view(-1))
+                torch.ops.symm_mem.two_shot_all_reduce_out(staging, "sum", self.group_name, out.view(-1))
+            else:
+                torch.ops.symm_mem.one_shot_all_reduce_copy_out(
+                    staging, x.view(-1), "sum", self.group_name, out.view(-1)
+                )
             return out
         out = x.clone()
         dist.all_reduce(out, group=self.group)

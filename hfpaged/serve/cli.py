@@ -47,7 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests accepted but not started at most; one more gets HTTP 429",
     )
     serve.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    serve.add_argument("--compile", action="store_true", help="torch.compile the decode forward (slow first start)")
+    serve.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the decoder layers of the decode graphs (default: on for CUDA; --no-compile: off)",
+    )
     serve.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     serve.add_argument(
         "--shutdown-timeout",
