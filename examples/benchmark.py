@@ -297,6 +297,7 @@ def run_hfpaged(model, prompts, out_lens, track_usage=False):
     step_log = []  # (seconds, graph step?, batch size)
     runner = engine.runner
     compiles = watch_triton_compiles()
+    collections = watch_gc()
     while engine.has_unfinished():
         graph_steps = runner.num_graph_steps
         ts = time.perf_counter()
@@ -312,6 +313,7 @@ def run_hfpaged(model, prompts, out_lens, track_usage=False):
     usage = real_tokens / used_slots if used_slots else None
     engine.step_log = step_log
     engine.triton_compiles = compiles.stop()
+    engine.gc_pauses = collections.stop()
     return num_tokens, dt, usage, engine
 
 
@@ -327,8 +329,36 @@ def hfpaged_record(model, tokens, seconds, usage, engine) -> dict:
         "graph_steps": engine.runner.num_graph_steps,
         "eager_steps": engine.runner.num_eager_steps,
         "host_seconds": dict(engine.core.timings),
+        "gc_pauses": engine.gc_pauses,
         "stats": hfpaged.stats(model),
     }
+
+
+class watch_gc:
+    """Python garbage-collector passes while active: count, total and longest seconds per generation (a full
+    pass over the ~10^6 objects torch.compile leaves behind can stall a step by a second)."""
+
+    def __init__(self):
+        import gc
+
+        self.passes: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self.started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self.started = time.perf_counter()
+        else:
+            self.passes[info["generation"]].append(time.perf_counter() - self.started)
+
+    def stop(self) -> dict:
+        import gc
+
+        gc.callbacks.remove(self._callback)
+        return {
+            f"gen{g}": {"count": len(p), "total_s": sum(p), "max_s": max(p, default=0.0)}
+            for g, p in self.passes.items()
+        }
 
 
 class watch_triton_compiles:
@@ -476,6 +506,8 @@ def bench_model(name, args, bandwidth):
             log(f"    steps: {w['hfpaged']['steps']}")
             for event in engine.triton_compiles:
                 log(f"    Triton compile inside the timed run: {event}")
+            full = engine.gc_pauses["gen2"]
+            log(f"    full GC passes in the run: {full['count']}, longest {full['max_s'] * 1e3:.0f} ms")
             steps = max(timings.get("steps", 1), 1)
             log(
                 "    per step (ms): "

@@ -186,8 +186,10 @@ def test_gpu_fp8_graphs_eager_and_compile(setting):
     prompts = random_prompts([4, 12, 30, 50, 7, 21, 9, 16], seed=3)
     expected = reference_generate(model, prompts, max_new_tokens=16, do_sample=False)
     runs = {}
-    modes = [("eager", dict(enforce_eager=True)), ("graphs", {})]
-    modes += [("compile", dict(compile=True))] if setting == "fp8" else []  # one compile: it takes a minute
+    # graphs of eager layers against eager steps: the same kernels, exact; compiled layers (the default on CUDA)
+    # fuse the norms and RoPE in another order, so their bf16 tokens are held to the yardstick below
+    modes = [("eager", dict(enforce_eager=True)), ("graphs", dict(compile=False))]
+    modes += [("compile", {})] if setting == "fp8" else []  # one compile: it takes a minute
     for name, options in modes:
         hfpaged.patch(model, num_blocks=128, block_size=16, kv_cache_dtype=setting, **options)
         assert model._hfpaged.use_triton
