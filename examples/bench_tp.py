@@ -107,8 +107,23 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
 
+    torch.cuda.synchronize()
+    allocated_before = torch.cuda.memory_allocated()  # this rank's weights (local shards) and buffers
     hfpaged.patch(model, max_num_seqs=args.max_num_seqs, compile=args.compile)
-    result["num_blocks"] = hfpaged.stats(model)["num_blocks"]
+    torch.cuda.synchronize()
+    stats = hfpaged.stats(model)
+    result["num_blocks"] = stats["num_blocks"]
+    pool_bytes = stats["num_blocks"] * stats["block_size"] * stats["kv_cache_bytes_per_token"]
+    # fused projections re-point the local shards into one buffer per group: no second copy of the weights
+    result["memory"] = {
+        "allocated_before_patch": allocated_before,
+        "allocated_after_patch_without_pool": torch.cuda.memory_allocated() - pool_bytes,
+        "pool_bytes": pool_bytes,
+    }
+    result["memory"]["change_without_pool"] = (
+        result["memory"]["allocated_after_patch_without_pool"] / allocated_before - 1
+    )
+    log(rank, f"allocated after patch without the pool: {result['memory']['change_without_pool']:+.2%} of before")
     result["compile"] = args.compile
     state = model._hfpaged
     result["fused_projection_groups"] = len(state.fused_projections.groups)
