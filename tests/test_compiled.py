@@ -70,7 +70,7 @@ def test_identical_layers_share_one_compiled_graph():
 
 
 @pytest.mark.parametrize("min_batch", [2, 1])
-def test_every_decode_bucket_shares_each_regions_graphs(min_batch):
+def test_every_graph_bucket_shares_each_regions_graphs(min_batch):
     # The decode CUDA graphs' capture (StepGraphs.capture, here without CUDA): the compiled forward once per batch
     # bucket, largest first, on views of the static input buffers. With compiled layers the runner leaves out
     # batch 1 (min_batch=2: a lone sequence pads into the 2-row graph), so each region compiles ONE graph for every
@@ -93,6 +93,18 @@ def test_every_decode_bucket_shares_each_regions_graphs(min_batch):
             step = graphs._views(bucket)
             compiled = runner._graph_forward(step)
             torch.testing.assert_close(compiled, runner.forward(step, logits_indices=0), rtol=1e-4, atol=1e-4)
+    # then the mixed (prefill + decode) graphs, by token bucket: the same compiled graphs serve them (their
+    # max_seqlen_q hint, the bucket, shares the decode steps' symbol through MAX_SEQLEN_Q_OFFSET)
+    mixed = StepGraphs(torch.device("cpu"), 8, runner.graph_width, runner.block_size, mixed=True, max_num_tokens=64)
+    assert mixed.buckets == [16, 32, 64]
+    with torch.inference_mode():
+        for bucket in reversed(mixed.buckets):
+            dummy = torch.from_numpy(mixed._dummy_inputs(bucket))
+            mixed.static[: dummy.numel()].copy_(dummy)
+            step = mixed._views(bucket)
+            compiled = runner._graph_forward(step, mixed=True)
+            assert compiled.shape[0] == mixed.shape(bucket)[1]  # the sampled rows only
+            torch.testing.assert_close(compiled, runner.forward(step), rtol=1e-4, atol=1e-4)
     per_size = 1 if min_batch == 2 else 2  # batch >= 2, and batch 1 when its bucket exists
     assert _num_compiled(custom_ops._call_block) == per_size  # three layers share it
     assert _num_compiled(custom_ops._call_other) == 2 * per_size  # the final norm and the rotary embedding
@@ -145,12 +157,12 @@ def test_default_compile_falls_back_to_eager_layers_on_a_compile_error(monkeypat
     from torch._dynamo.exc import Unsupported
 
     def failing_compile(max_seqlen_k):
-        def compiled(*args):
+        def compiled(*args, **kwargs):
             raise Unsupported("a layer dynamo cannot trace")
 
         return compiled
 
-    monkeypatch.setattr(custom_ops, "compile_decode_forward", failing_compile)
+    monkeypatch.setattr(custom_ops, "compile_step_forward", failing_compile)
     model = make_model("llama")
     prompts = random_prompts([5, 9, 3], seed=1)
     expected = reference_generate(model, prompts, max_new_tokens=4, do_sample=False)

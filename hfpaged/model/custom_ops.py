@@ -1,10 +1,10 @@
-"""torch.compile support: the Triton kernels as opaque custom ops, and a compiled decode forward.
+"""torch.compile support: the Triton kernels as opaque custom ops, and the compiled forward of graph steps.
 
-With ``patch(..., compile=True)`` the decode CUDA graphs capture a forward of the unmodified model whose
-repeated blocks (the decoder layers) run ``torch.compile``-d code: inductor fuses their norms, RoPE,
-activations and residual adds around our two custom ops. Step metadata reaches the attention function as
-forward kwargs (transformers passes extra kwargs down to the attention interface), so one dynamic-shape
-compile serves every bucket from batch 2 up.
+The CUDA graphs (decode steps by batch bucket, mixed prefill/decode steps by token bucket) capture a forward of
+the unmodified model whose repeated blocks (the decoder layers) run ``torch.compile``-d code: inductor fuses their
+norms, RoPE, activations and residual adds around our two custom ops. Step metadata reaches the attention
+function as forward kwargs (transformers passes extra kwargs down to the attention interface), so one
+dynamic-shape compile serves every bucket of both kinds.
 
 Regional compilation (PyTorch's recipe for repeated blocks): the model's own forward runs eagerly, and only
 while it runs does each decoder layer (and each other module beside the layer list, e.g. the final norm and
@@ -12,11 +12,13 @@ the rotary embedding) get an instance ``forward`` that calls one shared compiled
 an argument. Parameters are graph inputs (dynamo inlines nn modules), so the guards check the layer's class,
 shapes and the constants it reads, not its identity: identical layers share ONE graph (Gemma2's sliding and
 full layers compile one each), which cuts compile time by about the number of layers. Each region compiles
-twice per process whatever the number of decode buckets: for batch >= 2 (dynamic, with duck sizing off:
-``_distinct_size_symbols``) and for batch 1, which dynamo specialises. The compiled functions keep no reference
-to the model; the instance forwards are removed when the forward returns, so stock calls run exactly as
-unpatched. A model whose attention modules sit in no ``ModuleList`` falls back to compiling the whole forward,
-as before.
+once per process for every bucket: sizes are dynamic with duck sizing off (``_distinct_size_symbols``), the
+max_seqlen_q hint travels offset by ``MAX_SEQLEN_Q_OFFSET`` so that decode (1) and mixed (16+) steps share one
+symbol, and the runner leaves out a batch-1 decode graph (a lone sequence pads into the 2-row graph), since
+dynamo specialises sizes 0 and 1 and would trace the layers again for it. The compiled functions keep no
+reference to the model; the instance forwards are removed when the forward returns, so stock calls run exactly
+as unpatched. A model whose attention modules sit in no ``ModuleList`` falls back to compiling the whole
+forward.
 """
 
 from __future__ import annotations
@@ -134,13 +136,18 @@ def compiled_attention(module, query, key, value, scaling, sliding_window, softc
         float(scaling),
         int(sliding_window or 0),
         float(softcap or 0.0),
-        int(kwargs["hfpaged_max_seqlen_q"]),
+        kwargs["hfpaged_max_seqlen_q"] - MAX_SEQLEN_Q_OFFSET,  # a size symbol under compile: no int() (a guard)
         int(kwargs["hfpaged_max_seqlen_k"]),
         k_scale,
         v_scale,
     )
     return out.unsqueeze(0)
 
+
+# Added to the max_seqlen_q hint on its way through the compiled layers and taken off in the attention: dynamo
+# specialises the values 0 and 1, so a decode step's hint (1) would trace the layers apart from a mixed step's
+# (16+); 1 + 16 and T + 16 are one dynamic symbol, and decode and mixed steps share each region's graph.
+MAX_SEQLEN_Q_OFFSET = 16
 
 # modules beside the layer list that gain nothing from compiling: one kernel each (or none)
 _NOT_COMPILED = (torch.nn.Embedding, torch.nn.Linear, torch.nn.Dropout, torch.nn.Identity, torch.nn.ModuleList)
@@ -233,9 +240,11 @@ def _compiled_forwards(regions: list[tuple[torch.nn.Module, Callable]]) -> Itera
             module.__dict__.pop("forward", None)
 
 
-class CompiledDecodeForward:
-    """``(model, input_ids, position_ids, slots, block_tables, seq_lens, cu_seqlens_q) -> logits`` of a decode
-    step, its repeated blocks compiled (``regional``, the default) or the whole forward compiled."""
+class CompiledStepForward:
+    """``(model, input_ids, position_ids, slots, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q=,
+    logits_indices=) -> logits`` of a step in a CUDA graph (decode: ``max_seqlen_q`` 1, every row sampled; mixed:
+    ``max_seqlen_q`` the token bucket, the ``logits_indices`` rows sampled), its repeated blocks compiled
+    (``regional``, the default) or the whole forward compiled."""
 
     def __init__(self, max_seqlen_k: int, regional: bool = True):
         register_custom_ops()
@@ -246,33 +255,38 @@ class CompiledDecodeForward:
         self.whole_forward = torch.compile(self._forward, dynamic=True)
 
     @torch.no_grad()
-    def _forward(self, model, input_ids, position_ids, slot_mapping, block_tables, seq_lens, cu_seqlens_q):
+    def _forward(
+        self, model, input_ids, position_ids, slot_mapping, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, keep
+    ):
         output = type(model).forward(
             model,
             input_ids=input_ids,
             position_ids=position_ids,
             use_cache=False,
-            logits_to_keep=0,
+            logits_to_keep=keep,
             hfpaged_slot_mapping=slot_mapping,
             hfpaged_block_tables=block_tables,
             hfpaged_seq_lens=seq_lens,
             hfpaged_cu_seqlens_q=cu_seqlens_q,
-            hfpaged_max_seqlen_q=1,
+            hfpaged_max_seqlen_q=max_seqlen_q + MAX_SEQLEN_Q_OFFSET,
             hfpaged_max_seqlen_k=self.max_seqlen_k,
         )
         return output.logits[0]
 
-    def __call__(self, model, *step_tensors) -> torch.Tensor:
+    def __call__(
+        self, model, *step_tensors, max_seqlen_q: int = 1, logits_indices: torch.Tensor | None = None
+    ) -> torch.Tensor:
         _mark_caches_static(model)
+        keep = 0 if logits_indices is None else logits_indices  # 0: every row
         blocks, others = compile_regions(model) if self.regional else ([], [])
         if not blocks:
             with _distinct_size_symbols():
-                return self.whole_forward(model, *step_tensors)
+                return self.whole_forward(model, *step_tensors, max_seqlen_q, keep)
         regions = [(m, self.block_forward) for m in blocks] + [(m, self.other_forward) for m in others]
         with _distinct_size_symbols(), _compiled_forwards(regions):
-            return self._forward(model, *step_tensors)
+            return self._forward(model, *step_tensors, max_seqlen_q, keep)
 
 
-def compile_decode_forward(max_seqlen_k: int, regional: bool = True) -> CompiledDecodeForward:
-    """The compiled decode forward (compiles lazily, at its first call)."""
-    return CompiledDecodeForward(max_seqlen_k, regional)
+def compile_step_forward(max_seqlen_k: int, regional: bool = True) -> CompiledStepForward:
+    """The compiled step forward of the CUDA graphs (compiles lazily, at its first call)."""
+    return CompiledStepForward(max_seqlen_k, regional)

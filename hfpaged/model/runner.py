@@ -10,6 +10,7 @@ host once its copy has landed.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import time
@@ -238,11 +239,14 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         self.warmup_seconds = time.perf_counter() - start
 
-    def _graph_forward(self, step: DeviceStep) -> torch.Tensor:
+    def _graph_forward(self, step: DeviceStep, mixed: bool = False) -> torch.Tensor:
+        """The forward a CUDA graph captures: decode (every row sampled) or mixed (``step.logits_indices``), with
+        compiled layers unless compile is off."""
+        eager_keep = None if mixed else 0  # 0: every token of a decode batch is sampled
         if not self.compile:
-            return self.forward(step, logits_indices=0)  # every token of a decode batch is sampled
+            return self.forward(step, logits_indices=eager_keep)
         if self._compiled is None:
-            self._compiled = self._compile_decode_forward()
+            self._compiled = self._compile_step_forward()
         meta = step.metadata  # reaches the attention as forward kwargs: no step context needed
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         try:
@@ -255,6 +259,8 @@ class ModelRunner:
                     meta.block_tables,
                     meta.seq_lens,
                     meta.cu_seqlens_q,
+                    max_seqlen_q=meta.max_seqlen_q,
+                    logits_indices=step.logits_indices if mixed else None,
                 )
         except Exception as error:
             # compile by default (None) must not cost a model that torch.compile cannot take its graphs: a
@@ -263,22 +269,22 @@ class ModelRunner:
             if self.config.compile is not None or capturing or not _is_compile_error(error):
                 raise
             logger.warning(
-                "hfpaged: torch.compile failed (%s: %s); decode steps run eager layers", type(error).__name__, error
+                "hfpaged: torch.compile failed (%s: %s); graph steps run eager layers", type(error).__name__, error
             )
             self.compile = False
             self._compiled = None
-            return self.forward(step, logits_indices=0)
+            return self.forward(step, logits_indices=eager_keep)
         if self._compile_cache is not None and not capturing:
             self._compile_cache.save()  # writes only when this forward compiled something the file lacks
         return logits
 
-    def _compile_decode_forward(self):
-        """The compiled decode forward, its on-disk artifacts loaded first (``compile_cache_dir``)."""
+    def _compile_step_forward(self):
+        """The compiled forward of graph steps, its on-disk artifacts loaded first (``compile_cache_dir``)."""
         from .compile_cache import CompileCache
-        from .custom_ops import compile_decode_forward
+        from .custom_ops import compile_step_forward
 
         max_seqlen_k = self.graph_width * self.block_size
-        if self._compile_cache is None:  # built once: compile_decode_forward below is cheap (no trace yet)
+        if self._compile_cache is None:  # built once: compile_step_forward below is cheap (no trace yet)
             options = {
                 "block_size": self.block_size,
                 "max_seqlen_k": max_seqlen_k,
@@ -290,7 +296,7 @@ class ModelRunner:
             )
         if self._compile_cache is not None:
             self._compile_cache.load()
-        return compile_decode_forward(max_seqlen_k)
+        return compile_step_forward(max_seqlen_k)
 
     def capture_graphs(self, mixed: bool = False) -> StepGraphs | None:
         """The decode CUDA graphs (``mixed``: those of steps with prefill tokens), captured now if they are not
@@ -309,7 +315,8 @@ class ModelRunner:
                 min_batch=2 if self.compile and not mixed else 1,
             )
             start = time.perf_counter()
-            captured_ok = self._capture(graphs, self.forward if mixed else self._graph_forward)
+            forward = functools.partial(self._graph_forward, mixed=True) if mixed else self._graph_forward
+            captured_ok = self._capture(graphs, forward)
             self.capture_seconds["mixed" if mixed else "decode"] += time.perf_counter() - start
             if captured_ok:
                 captured = graphs
