@@ -618,6 +618,14 @@ def test_cli_arguments():
         "float32",
     )
     assert build_parser().parse_args(["serve", "--demo"]).demo
+    # compile: the engine's default (None: compiled layers on CUDA) unless --compile / --no-compile says otherwise
+    assert [
+        build_parser().parse_args(["serve", "--demo", *flag]).compile for flag in ([], ["--compile"], ["--no-compile"])
+    ] == [
+        None,
+        True,
+        False,
+    ]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--dtype", "int3"])
 

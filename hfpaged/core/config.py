@@ -21,8 +21,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto": Triton kernels on CUDA, torch reference elsewhere
     enforce_eager: bool = False  # True: never capture CUDA graphs
     async_scheduling: bool = True  # overlap the host's work for the next step with the device's current step
-    compile: bool | None = None  # torch.compile the decoder layers of the decode steps captured in CUDA graphs
-    # (CUDA, Triton attention; nothing is compiled where graphs are off); None: on for CUDA; False: off
+    compile: bool | None = None  # torch.compile the decoder layers of the steps captured in CUDA graphs (decode
+    # and mixed; nothing is compiled where graphs are off); None: on for CUDA, a compile error falls back to eager
+    # layers; True: on, errors raised; False: off
     compile_cache_dir: str | None = None  # compile: torch.compile artifacts on disk, keyed by model config,
     # dtype, device and versions; None: ~/.cache/hfpaged/compile; "": no hfpaged cache (torch's own stays)
     enable_prefix_caching: bool = True

@@ -2,8 +2,8 @@
 
 It updates the persistent batch from the scheduler's diffs, performs the block copies (swap, copy-on-write),
 packs the step (its inputs cross to the device in ONE copy), runs one packed forward of the unmodified model
-with paged attention - a captured CUDA graph for decode-only steps on CUDA, the eager forward otherwise -
-and samples (processors, forked samples, beam rows included). Nothing in it waits for the device: the
+with paged attention - on CUDA a captured CUDA graph (decode steps by batch bucket, steps with prefill tokens by
+token bucket; compiled decoder layers inside unless ``compile=False``), the eager forward otherwise - and samples (processors, forked samples, beam rows included). Nothing in it waits for the device: the
 ``StepResult`` holds the tokens on the device at once (the next step reads a pending token there) and on the
 host once its copy has landed.
 """
