@@ -469,6 +469,9 @@ def main(argv=None):
     parser.add_argument("--batches", default="1,8,64,256", help="decode batch sizes")
     parser.add_argument("--contexts", default="512,2048,8192,32768", help="decode context lengths")
     parser.add_argument("--prefill", default="1x1024,1x4096,4x256,4x1024", help="prefill shapes SEQSxLEN")
+    parser.add_argument(
+        "--heads", default="32/8", help="query heads / KV heads (head_dim 128), e.g. 16/8 for Qwen3-0.6B"
+    )
     parser.add_argument("--store-tokens", default="256,4096,32768", help="store_kv token counts")
     parser.add_argument(
         "--sweep", action="store_true", help="also run a small tile-config sweep (after the measurements)"
@@ -478,7 +481,8 @@ def main(argv=None):
         "--dry-run", action="store_true", help="tiny sizes on CPU (Triton interpreter): checks the script"
     )
     args = parser.parse_args(argv)
-    global DEVICE, DTYPE, L2_ROTATE_BYTES
+    global DEVICE, DTYPE, L2_ROTATE_BYTES, NUM_HEADS, NUM_KV_HEADS
+    NUM_HEADS, NUM_KV_HEADS = (int(x) for x in args.heads.split("/"))
     if args.dry_run:
         DEVICE, DTYPE, L2_ROTATE_BYTES = "cpu", torch.float32, 0
         args.batches, args.contexts, args.prefill, args.store_tokens = "1,2", "64,256", "1x64,2x32", "32"
@@ -492,7 +496,7 @@ def main(argv=None):
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"
     copy = copy_bandwidth_gbs()
     result = dict(device=name, torch=torch.__version__, triton=triton.__version__, copy_gbs=copy["best"],
-                  copy_detail=copy)  # fmt: skip
+                  copy_detail=copy, heads=NUM_HEADS, kv_heads=NUM_KV_HEADS)  # fmt: skip
     print(f"{result['device']}: copy bandwidth {copy['best']:.0f} GB/s (torch copy_ {copy['torch_copy']:.0f}, "
           f"Triton copy {copy['triton_copy']:.0f}; read + write)", flush=True)  # fmt: skip
     sections = []

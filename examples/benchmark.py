@@ -24,7 +24,9 @@ on vs off over 256 requests sharing a 1,024-token system prompt, and (--sections
 KV blocks of n=4 parallel sampling (8 prompts of 1,024 tokens, 128 new) vs 4 independent requests
 per prompt, prefix caching off for both, and (--sections parity) the share of 32 prompts whose first 32
 greedy tokens in bf16 equal stock generate's (each prompt alone), next to the same share between stock
-generate with eager attention and with sdpa as a yardstick.
+generate with eager attention and with sdpa as a yardstick, and (--sections prefill) the long workload's prompts
+prefilled alone (one new token each): TFLOP/s with attention FLOPs counted, as a share of the dense bf16 matmul
+peak measured in the same process.
 """
 
 from __future__ import annotations
@@ -421,6 +423,68 @@ def batch1_latency(model, prompt_len=128, new_tokens=256):
     return (time.perf_counter() - t0) / n * 1e3
 
 
+def matmul_peak_tflops(n: int = 8192, reps: int = 20) -> float:
+    """Dense bf16 matmul TFLOP/s on this GPU (n x n x n, cuBLAS), the yardstick of the prefill share."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * n**3 * reps / start.elapsed_time(end) / 1e9
+
+
+def prefill_flops(model, prompt_lens) -> dict:
+    """FLOPs of prefilling ``prompt_lens`` (one sampled token each): 2 x linear weights x tokens in the decoder
+    layers, the LM head on one row per prompt, and causal attention, 4 x heads x head_dim x n(n+1)/2 per layer."""
+    config = model.config
+    head = model.get_output_embeddings()
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head)
+    tokens = sum(prompt_lens)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    attention = 4 * config.num_hidden_layers * heads * head_dim * sum(n * (n + 1) // 2 for n in prompt_lens)
+    return {
+        "linear": 2 * linear * tokens + 2 * head.weight.numel() * len(prompt_lens),
+        "attention": attention,
+        "tokens": tokens,
+    }
+
+
+def prefill_throughput(model, prompts, max_num_seqs: int, compile) -> dict:
+    """Long prompts prefilled (one new token each) with default options: TFLOP/s, attention FLOPs counted, as a
+    share of this GPU's dense bf16 matmul peak."""
+    import hfpaged
+
+    flops = prefill_flops(model, [len(p) for p in prompts])
+    peak = matmul_peak_tflops()
+    hfpaged.patch(model, max_num_seqs=max_num_seqs, compile=compile)
+    try:
+        model.generate_many(prompts[:4], max_new_tokens=1, do_sample=False)  # warm-up: graphs, compile
+        engine = model._hfpaged.engine
+        _, dt = timed(lambda: model.generate_many(prompts, max_new_tokens=1, do_sample=False, eos_token_id=None))
+        total = flops["linear"] + flops["attention"]
+        return {
+            "requests": len(prompts),
+            "prompt_tokens": flops["tokens"],
+            "seconds": dt,
+            "prompt_tokens_per_s": flops["tokens"] / dt,
+            "flops": flops,
+            "tflops": total / dt / 1e12,
+            "attention_share_of_flops": flops["attention"] / total,
+            "matmul_peak_tflops": peak,
+            "share_of_matmul_peak": total / dt / 1e12 / peak,
+            "graph_steps": engine.runner.num_graph_steps,
+            "eager_steps": engine.runner.num_eager_steps,
+        }
+    finally:
+        hfpaged.unpatch(model)
+
+
 def prefix_caching(model, num_requests=256, system_len=1024, question_len=(16, 64), new_tokens=64):
     """Throughput with prefix caching on vs off over requests sharing a long system prompt."""
     import hfpaged
@@ -557,6 +621,20 @@ def bench_model(name, args, bandwidth):
             if hp and other in w:
                 w[f"speedup_vs_{other}"] = hp / w[other]["tokens_per_s"]
 
+    if "prefill" in args.sections:
+        try:
+            prompts, _ = workload("long", args.requests or WORKLOAD_REQUESTS["long"], vocab)
+            res["prefill"] = pf = prefill_throughput(model, prompts, args.max_num_seqs, args.compile)
+            log(
+                f"prefill of {pf['requests']} prompts of 4-8k tokens: {pf['prompt_tokens_per_s']:,.0f} tok/s, "
+                f"{pf['tflops']:.0f} TFLOP/s ({pf['attention_share_of_flops']:.0%} of the FLOPs in attention) = "
+                f"{pf['share_of_matmul_peak']:.0%} of the dense bf16 matmul peak ({pf['matmul_peak_tflops']:.0f} TFLOP/s)"
+            )
+        except Exception:
+            res["prefill_error"] = traceback.format_exc()
+            log(res["prefill_error"])
+        gc.collect()
+        torch.cuda.empty_cache()
     if "parity" in args.sections:
         try:
             res["parity"] = pr = greedy_parity(model, compile=args.compile)
@@ -710,7 +788,7 @@ def main(argv=None):
         "--sections",
         nargs="+",
         default=["latency", "generate_batch", "stock"],
-        choices=["latency", "generate_batch", "stock", "prefix", "parallel", "parity", "cold"],
+        choices=["latency", "generate_batch", "stock", "prefix", "parallel", "parity", "cold", "prefill"],
     )
     parser.add_argument("--requests", type=int, help="requests per workload (default: 256, churn 1000, long 32)")
     parser.add_argument("--cold-start-child", metavar="MODEL", help=argparse.SUPPRESS)
