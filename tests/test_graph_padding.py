@@ -169,32 +169,3 @@ def test_mixed_graphs_out_of_memory_keeps_the_decode_graphs(monkeypatch):
     assert [r.token_ids for r in results] == expected
     assert runner.mixed_graphs is None and not runner.use_mixed_graphs and runner.use_graphs
     assert runner.graphs is not None and runner.num_graph_steps > 0 and runner.num_eager_steps > 0
-
-
-def test_compiled_layers_capture_the_decode_graphs_first(monkeypatch):
-    """With compiled layers the first step (a prefill) captures the decode graphs before the mixed ones, so the
-    one layer trace both kinds share is made at decode sizes; a lone sequence pads into the 2-row decode graph."""
-    model = make_model("llama", seed=6)
-    prompts = random_prompts([5, 14, 9], seed=23)
-    expected = reference_generate(model, prompts, max_new_tokens=6, do_sample=False)
-    hfpaged.patch(model, num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, compile=False)
-    runner = model._hfpaged.engine.runner
-    runner.use_graphs = True
-    runner.compile = True  # as on CUDA; what is under test is the capture order, so the graphs replay eager layers
-    order = []
-
-    def capture(graphs, forward):
-        order.append("mixed" if graphs.mixed else "decode")
-        keep = None if graphs.mixed else 0
-        graphs.replay = lambda bucket, num_sampled: runner.forward(graphs._views(bucket), logits_indices=keep)[
-            :num_sampled
-        ]
-
-    monkeypatch.setattr(StepGraphs, "capture", capture)
-    results = model.generate_many(prompts, max_new_tokens=6, do_sample=False)
-    assert [r.token_ids for r in results] == expected
-    assert order == ["decode", "mixed"]  # captured once each, decode first although the first step is a prefill
-    assert runner.graphs.buckets[0] == 2 and runner.num_eager_steps == 0
-    alone = model.generate_many(prompts[:1], max_new_tokens=6, do_sample=False)  # batch 1 in the 2-row graph
-    assert alone[0].token_ids == expected[0] and order == ["decode", "mixed"]
-    assert hfpaged.stats(model)["num_free_blocks"] == hfpaged.stats(model)["num_blocks"]

@@ -302,10 +302,6 @@ class ModelRunner:
         """The decode CUDA graphs (``mixed``: those of steps with prefill tokens), captured now if they are not
         yet (otherwise done at the first such step); None where graphs are off."""
         captured = self.mixed_graphs if mixed else self.graphs
-        if captured is None and mixed and self.compile and self.graphs is None and self.use_graphs:
-            # compiled layers: the decode graphs first, so the one dynamic layer trace (which both kinds share)
-            # is made and tuned at decode sizes, not at the largest mixed bucket's thousands of tokens
-            self.capture_graphs(mixed=False)
         if captured is None and self.use_graphs and (self.use_mixed_graphs or not mixed):
             graphs = StepGraphs(
                 self.device,
