@@ -476,6 +476,9 @@ def main(argv=None):
     parser.add_argument(
         "--sweep", action="store_true", help="also run a small tile-config sweep (after the measurements)"
     )
+    parser.add_argument(
+        "--sweep-decode-shapes", default="1x2048,1x32768,8x2048,8x8192", help="decode shapes BxCTX the sweep tries"
+    )
     parser.add_argument("--skip", default="", help="comma list of sections to skip: decode,prefill,store")
     parser.add_argument(
         "--dry-run", action="store_true", help="tiny sizes on CPU (Triton interpreter): checks the script"
@@ -508,7 +511,8 @@ def main(argv=None):
         sections.append(("store_kv", lambda: bench_store_kv(ints(args.store_tokens), result["copy_gbs"], args.sweep)))
     if args.sweep:  # after the measurements of the defaults, so a cut-off run still has those
         if "decode" not in skip:
-            sweep_shapes = [(1, 2048), (1, 32768), (8, 2048), (8, 8192)] if not args.dry_run else [(1, 512)]
+            sweep_shapes = [tuple(int(v) for v in s.split("x")) for s in args.sweep_decode_shapes.split(",") if s]
+            sweep_shapes = sweep_shapes if not args.dry_run else [(1, 512)]
             sections.append(("sweep_decode", lambda: sweep_decode(sweep_shapes)))
         if "prefill" not in skip:
             shapes = [(1, 4096), (4, 1024), (1, 1024)] if not args.dry_run else [(1, 64)]
