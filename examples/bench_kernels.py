@@ -185,7 +185,7 @@ def bench_decode(batches, contexts, copy_gbs):
 def sweep_decode(combos):
     """Tile configs x context splits on a few decode shapes; prints and returns the winners."""
     results = []
-    tiles = [(64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 4, 3)]
+    tiles = [(64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 4, 3), (128, 8, 2), (64, 2, 2)]
     for batch, context in combos:
         if not DecodeProblem.fits(batch, context):
             continue

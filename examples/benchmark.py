@@ -148,11 +148,12 @@ WORKLOADS = ("nano", "chat", "churn", "long")
 WORKLOAD_REQUESTS = {"nano": 256, "chat": 256, "churn": 1000, "long": 32}
 
 
-def cold_start(name: str, compile: bool | None) -> dict:
+def cold_start(name: str, compile: bool | None, pyc_off: bool = False) -> dict:
     """Patch -> first result in a fresh process: with empty kernel caches ("cold": empty Triton, Inductor and
     hfpaged compile caches), then with the caches that first process filled ("warm"); unless ``compile`` is False
     (compiled layers: the default) also with only the hfpaged compile cache filled ("hfpaged_cache_only": fresh
-    Triton and Inductor directories, as on a new machine that keeps ~/.cache)."""
+    Triton and Inductor directories, as on a new machine that keeps ~/.cache). Python's bytecode cache is on
+    (unless ``pyc_off``): empty for the first run, filled by it for the others."""
     import subprocess
     import tempfile
 
@@ -166,6 +167,12 @@ def cold_start(name: str, compile: bool | None) -> dict:
             env = dict(os.environ)
             env["TRITON_CACHE_DIR"] = os.path.join(cache, "triton" + generation)
             env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor" + generation)
+            # Python's bytecode cache, as every pip install has it (pip compiles .pyc files at install time); an
+            # environment that turns it off (PYTHONDONTWRITEBYTECODE, as on our GPU hosts) would compile every
+            # module torch.compile imports from source in each process. The first run writes it.
+            if not pyc_off:
+                env.pop("PYTHONDONTWRITEBYTECODE", None)
+                env["PYTHONPYCACHEPREFIX"] = os.path.join(cache, "pyc")
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
             lines = [line for line in done.stdout.splitlines() if line.startswith("COLD_START ")]
             if done.returncode != 0 or not lines:
@@ -522,7 +529,7 @@ def bench_model(name, args, bandwidth):
     cold = None
     if "cold" in args.sections:  # first: the child processes need the GPU to themselves
         try:
-            cold = cold_start(name, args.compile)
+            cold = cold_start(name, args.compile, pyc_off=args.cold_start_no_pyc)
             log(
                 "cold start, patch -> first result: "
                 + ", ".join(
@@ -793,6 +800,11 @@ def main(argv=None):
     parser.add_argument("--requests", type=int, help="requests per workload (default: 256, churn 1000, long 32)")
     parser.add_argument("--cold-start-child", metavar="MODEL", help=argparse.SUPPRESS)
     parser.add_argument("--compile-cache-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--cold-start-no-pyc",
+        action="store_true",
+        help="cold start: leave the environment's PYTHONDONTWRITEBYTECODE (no bytecode cache between the runs)",
+    )
     parser.add_argument("--gb-requests", type=int, default=256, help="requests given to generate_batch (0: skip)")
     parser.add_argument("--stock-requests", type=int, default=64, help="requests given to stock generate (0: skip)")
     parser.add_argument("--max-num-seqs", type=int, default=256)

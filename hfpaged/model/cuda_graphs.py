@@ -134,7 +134,11 @@ class StepGraphs:
 
     @torch.inference_mode()
     def capture(self, forward: Callable[[DeviceStep], torch.Tensor]) -> None:
-        """Capture ``forward`` for every bucket (largest first, one shared pool)."""
+        """Capture ``forward`` for every bucket (largest first, one shared pool). Only the first (largest) bucket
+        warms up outside the capture, twice (lazy initialisation, torch.compile, cuBLAS's first use of the
+        stream); later buckets only meet a new shape and are captured straight away (a graph start spends ~20 ms
+        of host time per warm-up call, ~1 s over both ladders), unless that capture fails: then they warm up once
+        and capture again."""
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         shared = None  # mixed: the one logits buffer every graph copies into (outside the graph pool)
@@ -142,28 +146,45 @@ class StepGraphs:
             dummy = torch.from_numpy(self._dummy_inputs(bucket))
             self.static[: dummy.numel()].copy_(dummy)
             self.static_block_tables.zero_()
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                # warm up outside the capture (lazy initialisation, torch.compile, cuBLAS's choice for the shape):
-                # twice for the first (largest) bucket, once for each later one, which only meets a new shape
-                for _ in range(2 if bucket == self.buckets[-1] else 1):
-                    logits = forward(self._views(bucket))
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            if self.mixed and shared is None:
-                shared = torch.empty_like(logits)
-            del logits
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: other threads (stock generate, another model) may keep using the GPU meanwhile
-            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                logits = forward(self._views(bucket))
+            if bucket == self.buckets[-1]:
+                self._warm_up(forward, bucket, stream, calls=2)
                 if self.mixed:
-                    shared[: logits.shape[0]].copy_(logits)
-                    logits = shared[: logits.shape[0]]
+                    rows = self.shape(bucket)[1]
+                    shared = torch.empty(rows, self._vocab, dtype=self._logits_dtype, device=self.device)
+                graph, logits = self._capture_one(forward, bucket, pool, stream, shared)
+            else:
+                try:
+                    graph, logits = self._capture_one(forward, bucket, pool, stream, shared)
+                except RuntimeError as error:
+                    logger.info("hfpaged: capture of bucket %d failed without a warm-up (%s); retrying", bucket, error)
+                    self._warm_up(forward, bucket, stream, calls=1)
+                    graph, logits = self._capture_one(forward, bucket, pool, stream, shared)
             self.outputs[bucket] = logits
             self.graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
         kind = "mixed-step (tokens" if self.mixed else "decode (batch"
         logger.info("hfpaged: captured %d %s CUDA graphs %s)", len(self.graphs), kind, self.buckets)
+
+    def _warm_up(self, forward, bucket: int, stream: torch.cuda.Stream, calls: int) -> None:
+        """Run ``forward`` on ``bucket``'s views outside any capture; notes the logits' width and dtype."""
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(calls):
+                logits = forward(self._views(bucket))
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._vocab, self._logits_dtype = logits.shape[-1], logits.dtype
+
+    def _capture_one(self, forward, bucket: int, pool, stream: torch.cuda.Stream, shared):
+        """One bucket's graph and its output (mixed: a view of ``shared``, the buffer every graph copies into)."""
+        graph = torch.cuda.CUDAGraph()
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        # thread_local: other threads (stock generate, another model) may keep using the GPU meanwhile
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            logits = forward(self._views(bucket))
+            if self.mixed:
+                shared[: logits.shape[0]].copy_(logits)
+                logits = shared[: logits.shape[0]]
+        return graph, logits
 
     def load(self, packed_host: torch.Tensor, bucket: int, width: int) -> None:
         """Copy a packed step (built for ``bucket``'s shape and ``width`` block columns) into the static buffers."""
