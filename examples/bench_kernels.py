@@ -463,71 +463,6 @@ def print_summary(result):
         print("eager wall time per call (us): " + ", ".join(f"{k} {v:.1f}" for k, v in result["eager_us"].items()))
 
 
-# ---- skinny GEMM (decode projections at batch 1-4) ----------------------------------------------
-
-# (name, layers, [(projection, N, K)]) with fused q/k/v and gate/up, as hfpaged runs them
-GEMV_MODELS = [
-    ("qwen3-0.6b", 28, [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024), ("down", 1024, 3072)]),
-    ("llama-3.2-1b", 16, [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192)]),
-    ("llama-3.1-8b", 32, [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]),
-    ("llama-3.1-8b-tp2", 32,
-     [("qkv", 3072, 4096), ("o", 4096, 2048), ("gate_up", 14336, 4096), ("down", 4096, 7168)]),
-]  # fmt: skip
-
-
-def bench_gemv(rows_list, copy_gbs, sweep: bool):
-    """cuBLAS (F.linear) vs skinny_linear per projection; per model, the sum over one decode step's layers."""
-    from hfpaged.kernels.skinny_gemm import skinny_config, skinny_linear
-
-    results = []
-    sms = sm_count() if DEVICE == "cuda" else 4
-    for name, layers, projections in GEMV_MODELS:
-        for rows in rows_list:
-            total = {"cublas_us": 0.0, "skinny_us": 0.0, "best_us": 0.0}
-            for proj, n, k in projections:
-                if DEVICE != "cuda":
-                    n, k = min(n, 64), min(k, 256)
-                bytes_ = n * k * DTYPE.itemsize
-                sets = max(1, min(64, math.ceil(L2_ROTATE_BYTES / bytes_)))
-                ws = [torch.randn(n, k, device=DEVICE, dtype=DTYPE) * 0.02 for _ in range(sets)]
-                xs = [torch.randn(rows, k, device=DEVICE, dtype=DTYPE) for _ in range(sets)]
-                cublas = graph_time_ms([lambda x=x, w=w: torch.nn.functional.linear(x, w) for x, w in zip(xs, ws)])
-                ours = graph_time_ms([lambda x=x, w=w: skinny_linear(x, w) for x, w in zip(xs, ws)])
-                diff = float((skinny_linear(xs[0], ws[0]).float() - (xs[0].float() @ ws[0].float().T)).abs().max())
-                best, best_cfg = ours, skinny_config(rows, n, k, sms)
-                if sweep and rows == 2:  # batch 1 pads into the 2-row graph under compiled layers
-                    for block_n in (4, 8, 16):
-                        for block_k in (256, 512):
-                            for warps in (4, 8):
-                                for split in sorted({1, best_cfg[2], 2 * best_cfg[2]}):
-                                    if k // split < block_k:
-                                        continue
-                                    cfg = (block_n, block_k, split, warps)
-                                    try:
-                                        t = graph_time_ms(
-                                            [lambda x=x, w=w: skinny_linear(x, w, config=cfg) for x, w in zip(xs, ws)]
-                                        )
-                                    except Exception as exc:  # e.g. too many registers
-                                        print(f"  gemv {cfg} failed: {type(exc).__name__}", flush=True)
-                                        continue
-                                    if t < best:
-                                        best, best_cfg = t, cfg
-                row = dict(model=name, rows=rows, proj=proj, n=n, k=k, cublas_us=cublas * 1e3, skinny_us=ours * 1e3,
-                           best_us=best * 1e3, best_config=best_cfg, max_abs_diff=diff,
-                           cublas_gbs=bytes_ / cublas / 1e6, skinny_gbs=bytes_ / ours / 1e6)  # fmt: skip
-                results.append(row)
-                for key in total:
-                    total[key] += row[key] * layers
-                print(f"gemv {name:16} M={rows} {proj:8} {n:6}x{k:6}: cuBLAS {row['cublas_us']:6.1f} us "
-                      f"({row['cublas_gbs']:5.0f} GB/s) skinny {row['skinny_us']:6.1f} us ({row['skinny_gbs']:5.0f} GB/s)"
-                      f" best {row['best_us']:6.1f} {best_cfg} diff {diff:.2g}", flush=True)  # fmt: skip
-                del ws, xs
-            print(f"gemv {name:16} M={rows} per step ({layers} layers): cuBLAS {total['cublas_us']:7.0f} us, "
-                  f"skinny {total['skinny_us']:7.0f} us, best configs {total['best_us']:7.0f} us", flush=True)  # fmt: skip
-            results.append(dict(model=name, rows=rows, step_totals=total))
-    return results
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench_kernels.json", help="JSON output path")
@@ -544,8 +479,7 @@ def main(argv=None):
     parser.add_argument(
         "--sweep-decode-shapes", default="1x2048,1x32768,8x2048,8x8192", help="decode shapes BxCTX the sweep tries"
     )
-    parser.add_argument("--skip", default="", help="comma list of sections to skip: decode,prefill,store,gemv")
-    parser.add_argument("--gemv-rows", default="1,2,4", help="rows of the skinny GEMM section")
+    parser.add_argument("--skip", default="", help="comma list of sections to skip: decode,prefill,store")
     parser.add_argument(
         "--dry-run", action="store_true", help="tiny sizes on CPU (Triton interpreter): checks the script"
     )
@@ -573,8 +507,6 @@ def main(argv=None):
         sections.append(("decode", lambda: bench_decode(ints(args.batches), ints(args.contexts), result["copy_gbs"])))
     if "prefill" not in skip:
         sections.append(("prefill", lambda: bench_prefill(prefill_shapes)))
-    if "gemv" not in skip:
-        sections.append(("gemv", lambda: bench_gemv(ints(args.gemv_rows), result["copy_gbs"], args.sweep)))
     if "store" not in skip:
         sections.append(("store_kv", lambda: bench_store_kv(ints(args.store_tokens), result["copy_gbs"], args.sweep)))
     if args.sweep:  # after the measurements of the defaults, so a cut-off run still has those
