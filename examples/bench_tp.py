@@ -130,12 +130,18 @@ def main() -> None:
     if state.local_tp is not None:
         result["local_projections"] = len(state.local_tp.members)
         result["all_reduce"] = state.local_tp.reduce.kind
+    start = time.perf_counter()
     run_hfpaged(model, prompts[:32], [8] * 32)  # warm-up: graph capture, Triton compile
+    runner = model._hfpaged.engine.runner
+    result["first_run_s"] = time.perf_counter() - start
+    result["capture_seconds"] = dict(runner.capture_seconds)
+    result["capture_retries"] = sum(g.capture_retries for g in (runner.graphs, runner.mixed_graphs) if g is not None)
     tokens, dt, usage, engine = run_hfpaged(model, prompts, out_lens, track_usage=True)
     result["hfpaged"] = hfpaged_record(model, tokens, dt, usage, engine)  # host seconds per phase included
     log(
         rank,
-        f"hfpaged: {tokens / dt:,.0f} tok/s, graph/eager steps {engine.runner.num_graph_steps}/{engine.runner.num_eager_steps}",
+        f"hfpaged: {tokens / dt:,.0f} tok/s, graph/eager steps {engine.runner.num_graph_steps}/{engine.runner.num_eager_steps}"
+        f"; first run {result['first_run_s']:.1f} s, capture retries {result['capture_retries']}",
     )
     if "generate_batch" in result:
         result["speedup_vs_generate_batch"] = (

@@ -40,6 +40,8 @@ def test_mixed_steps_replay_from_graphs_token_for_token(arch):
     runner = model._hfpaged.engine.runner
     assert runner.mixed_graphs is not None and runner.graphs is not None
     assert runner.num_eager_steps == 0 and runner.num_graph_steps > 0
+    # every bucket after the largest captured without a warm-up, none needing the retry
+    assert runner.graphs.capture_retries == 0 and runner.mixed_graphs.capture_retries == 0
     # the same against the eager engine: graphs change no token
     hfpaged.patch(model, num_blocks=64, block_size=4, max_num_seqs=6, max_num_batched_tokens=64, enforce_eager=True)
     assert staggered(model, prompts, 16) == expected
@@ -118,3 +120,40 @@ def test_beams_and_parallel_samples_that_outnumber_max_num_seqs():
     assert model._hfpaged.engine.runner.num_graph_steps > 0
     stats = hfpaged.stats(model)
     assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_capture_without_warm_up_retries_with_one(monkeypatch):
+    """Only the first (largest) bucket warms up before its capture; a later bucket whose capture fails warms up
+    once and is captured again, and the tokens stay those of stock generate."""
+    from hfpaged.model.cuda_graphs import StepGraphs
+
+    model = make_model("llama").cuda()
+    prompts = random_prompts([5, 30, 11, 2], seed=15)
+    expected = reference_generate(model, prompts, max_new_tokens=8, do_sample=False)
+    capture_one, warm_up = StepGraphs._capture_one, StepGraphs._warm_up
+    events = []
+
+    def failing_once(self, forward, bucket, *args):
+        if bucket == self.buckets[0] and ("fail", self.mixed) not in events:  # the smallest: captured last
+            events.append(("fail", self.mixed))
+            raise RuntimeError("simulated capture failure")
+        return capture_one(self, forward, bucket, *args)
+
+    def recording(self, forward, bucket, stream, calls):
+        events.append(("warm", self.mixed, bucket, calls))
+        return warm_up(self, forward, bucket, stream, calls)
+
+    monkeypatch.setattr(StepGraphs, "_capture_one", failing_once)
+    monkeypatch.setattr(StepGraphs, "_warm_up", recording)
+    hfpaged.patch(model, num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    assert staggered(model, prompts, 8) == expected
+    runner = model._hfpaged.engine.runner
+    for graphs in (runner.graphs, runner.mixed_graphs):
+        assert graphs is not None and sorted(graphs.graphs) == graphs.buckets  # every bucket captured
+        kind = graphs.mixed
+        warmups = [e for e in events if e[0] == "warm" and e[1] == kind]
+        # the largest bucket twice, then only the bucket whose capture failed, once
+        assert warmups == [("warm", kind, graphs.buckets[-1], 2), ("warm", kind, graphs.buckets[0], 1)]
+        assert graphs.capture_retries == 1
+    assert runner.num_eager_steps == 0
+    assert hfpaged.stats(model)["num_free_blocks"] == hfpaged.stats(model)["num_blocks"]

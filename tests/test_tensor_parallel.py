@@ -44,6 +44,8 @@ def check_ranks(results: list[dict], num_kv_heads: int, arch: str, device: str) 
             paths = result["all_reduce_paths"]
             assert {path for path, _ in paths.values()} == {"one_shot", "two_shot", "process_group"}, paths
             assert all(equal for _, equal in paths.values()), paths
+            # both kinds of graphs captured, collectives inside, every bucket but the first without a warm-up
+            assert result["graph_kinds"] == 2 and result["capture_retries"] == 0
         assert result["kept_stock"] == [None, None]
     assert first["expected"] and any(len(set(seq)) > 3 for seq in first["expected"])  # the model's output varies
     for result in results:

@@ -72,6 +72,10 @@ def main() -> None:
     stats = hfpaged.stats(sharded)
     result["num_blocks"] = stats["num_blocks"]
     result["greedy"] = ids_of(sharded.generate_many(prompts, max_new_tokens=args.new_tokens, do_sample=False))
+    runner = sharded._hfpaged.engine.runner
+    captured = [g for g in (runner.graphs, runner.mixed_graphs) if g is not None]
+    result["graph_kinds"] = len(captured)
+    result["capture_retries"] = sum(g.capture_retries for g in captured)
     result["preemptions"] = hfpaged.stats(sharded).get("num_preemptions")
     result["sampled"] = ids_of(sharded.generate_many(prompts, max_new_tokens=args.new_tokens, do_sample=True, top_k=0))
     result["kv_heads_local"] = sharded._hfpaged.layers[0].num_kv_heads

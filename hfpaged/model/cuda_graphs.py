@@ -79,6 +79,7 @@ class StepGraphs:
         self.static_block_tables = torch.zeros(largest_reqs, table_width, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_retries = 0  # buckets whose capture without a warm-up failed (then warmed up and captured)
 
     def shape(self, bucket: int) -> tuple[int, int]:
         """(tokens, requests) of ``bucket``'s graph."""
@@ -157,6 +158,7 @@ class StepGraphs:
                     graph, logits = self._capture_one(forward, bucket, pool, stream, shared)
                 except RuntimeError as error:
                     logger.info("hfpaged: capture of bucket %d failed without a warm-up (%s); retrying", bucket, error)
+                    self.capture_retries += 1
                     self._warm_up(forward, bucket, stream, calls=1)
                     graph, logits = self._capture_one(forward, bucket, pool, stream, shared)
             self.outputs[bucket] = logits
