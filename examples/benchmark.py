@@ -469,6 +469,7 @@ def prefill_throughput(model, prompts, max_num_seqs: int, compile) -> dict:
 
     flops = prefill_flops(model, [len(p) for p in prompts])
     peak = matmul_peak_tflops()
+    torch.cuda.empty_cache()  # its operands are not the pool's to lose
     hfpaged.patch(model, max_num_seqs=max_num_seqs, compile=compile)
     try:
         model.generate_many(prompts[:4], max_new_tokens=1, do_sample=False)  # warm-up: graphs, compile

@@ -148,10 +148,10 @@ class StepGraphs:
             self.static[: dummy.numel()].copy_(dummy)
             self.static_block_tables.zero_()
             if bucket == self.buckets[-1]:
-                self._warm_up(forward, bucket, stream, calls=2)
+                logits = self._warm_up(forward, bucket, stream, calls=2)
                 if self.mixed:
-                    rows = self.shape(bucket)[1]
-                    shared = torch.empty(rows, self._vocab, dtype=self._logits_dtype, device=self.device)
+                    shared = torch.empty_like(logits)
+                del logits
                 graph, logits = self._capture_one(forward, bucket, pool, stream, shared)
             else:
                 try:
@@ -167,14 +167,14 @@ class StepGraphs:
         kind = "mixed-step (tokens" if self.mixed else "decode (batch"
         logger.info("hfpaged: captured %d %s CUDA graphs %s)", len(self.graphs), kind, self.buckets)
 
-    def _warm_up(self, forward, bucket: int, stream: torch.cuda.Stream, calls: int) -> None:
-        """Run ``forward`` on ``bucket``'s views outside any capture; notes the logits' width and dtype."""
+    def _warm_up(self, forward, bucket: int, stream: torch.cuda.Stream, calls: int) -> torch.Tensor:
+        """Run ``forward`` on ``bucket``'s views outside any capture; the last call's logits."""
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(calls):
                 logits = forward(self._views(bucket))
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        self._vocab, self._logits_dtype = logits.shape[-1], logits.dtype
+        return logits
 
     def _capture_one(self, forward, bucket: int, pool, stream: torch.cuda.Stream, shared):
         """One bucket's graph and its output (mixed: a view of ``shared``, the buffer every graph copies into)."""
