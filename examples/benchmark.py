@@ -522,6 +522,19 @@ def prefix_caching(model, num_requests=256, system_len=1024, question_len=(16, 6
     return out
 
 
+def run_section(res: dict, key: str, compute, describe) -> None:
+    """``res[key] = compute()`` and log ``describe`` of it; an error is logged and kept as ``res[key + "_error"]``
+    (the other sections still run). The GPU's cached memory is released after it."""
+    try:
+        res[key] = out = compute()
+        log(describe(out))
+    except Exception:
+        res[f"{key}_error"] = traceback.format_exc()
+        log(res[f"{key}_error"])
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def bench_model(name, args, bandwidth):
     import hfpaged
     from hfpaged.testing import greedy_parity, parallel_sampling_kv
@@ -630,34 +643,30 @@ def bench_model(name, args, bandwidth):
                 w[f"speedup_vs_{other}"] = hp / w[other]["tokens_per_s"]
 
     if "prefill" in args.sections:
-        try:
-            prompts, _ = workload("long", args.requests or WORKLOAD_REQUESTS["long"], vocab)
-            res["prefill"] = pf = prefill_throughput(model, prompts, args.max_num_seqs, args.compile)
-            log(
+        prompts, _ = workload("long", args.requests or WORKLOAD_REQUESTS["long"], vocab)
+        run_section(
+            res,
+            "prefill",
+            lambda: prefill_throughput(model, prompts, args.max_num_seqs, args.compile),
+            lambda pf: (
                 f"prefill of {pf['requests']} prompts of 4-8k tokens: {pf['prompt_tokens_per_s']:,.0f} tok/s, "
                 f"{pf['tflops']:.0f} TFLOP/s ({pf['attention_share_of_flops']:.0%} of the FLOPs in attention) = "
                 f"{pf['share_of_matmul_peak']:.0%} of the dense bf16 matmul peak ({pf['matmul_peak_tflops']:.0f} TFLOP/s)"
-            )
-        except Exception:
-            res["prefill_error"] = traceback.format_exc()
-            log(res["prefill_error"])
-        gc.collect()
-        torch.cuda.empty_cache()
+            ),
+        )
     if "parity" in args.sections:
-        try:
-            res["parity"] = pr = greedy_parity(model, compile=args.compile)
-            log(
+        run_section(
+            res,
+            "parity",
+            lambda: greedy_parity(model, compile=args.compile),
+            lambda pr: (
                 f"greedy parity ({pr['dtype']}, {pr['prompts']} prompts x {pr['new_tokens']} tokens vs stock generate): "
                 f"{pr['share_all_match']:.0%} match on all tokens, {pr['share_first_match']:.0%} on the first, "
                 f"mean matching prefix {pr['mean_matching_prefix']:.1f} tokens; yardstick, stock eager vs stock sdpa: "
                 f"{pr['stock_eager_vs_sdpa']['share_all_match']:.0%} on all tokens, mean matching prefix "
                 f"{pr['stock_eager_vs_sdpa']['mean_matching_prefix']:.1f}"
-            )
-        except Exception:
-            res["parity_error"] = traceback.format_exc()
-            log(res["parity_error"])
-        gc.collect()
-        torch.cuda.empty_cache()
+            ),
+        )
     if "prefix" in args.sections:
         try:
             res["prefix_caching"] = prefix_caching(model)

@@ -31,3 +31,20 @@ def test_prefill_flops_counts_linear_lm_head_and_causal_attention():
     assert flops["linear"] == 2 * layers * per_layer * 17 + 2 * c.vocab_size * hidden * 2  # LM head: one row each
     causal_pairs = 5 * 6 // 2 + 12 * 13 // 2  # each token attends to itself and every earlier one
     assert flops["attention"] == 4 * layers * heads * head_dim * causal_pairs
+
+
+def test_a_failing_benchmark_section_is_recorded_and_the_others_run():
+    sys.path.insert(0, EXAMPLES)
+    try:
+        from benchmark import run_section
+    finally:
+        sys.path.remove(EXAMPLES)
+    res = {}
+    run_section(res, "good", lambda: {"x": 1}, lambda out: f"x={out['x']}")
+
+    def broken():
+        raise ValueError("no GPU here")
+
+    run_section(res, "bad", broken, lambda out: "unreachable")
+    assert res["good"] == {"x": 1} and "bad" not in res
+    assert "ValueError: no GPU here" in res["bad_error"]
