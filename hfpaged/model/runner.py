@@ -264,8 +264,9 @@ class ModelRunner:
                 )
         except Exception as error:
             # compile by default (None) must not cost a model that torch.compile cannot take its graphs: a
-            # failed compile (the graph capture's warm-up calls first, never inside a capture) falls back to
-            # the eager layers for good. compile=True asked for it: the error stands.
+            # failed compile falls back to the eager layers for good. It is met outside a capture: the first
+            # bucket's warm-up makes the trace, and a later bucket whose capture raises (a new shape's recompile)
+            # is warmed up and captured again (StepGraphs.capture). compile=True asked for it: the error stands.
             if self.config.compile is not None or capturing or not _is_compile_error(error):
                 raise
             logger.warning(
