@@ -321,7 +321,7 @@ class Engine(Client):
             )
         self.core.check_weights(self.model)
         with self.core.lock:
-            requests, taken, resolved_cache = [], set(), {}
+            requests, taken = [], set()
             for prompt, kwargs, request_id in zip(prompts, settings, request_ids or [None] * len(prompts)):
                 if kwargs.get("streamer") is not None:
                     raise ValueError(
@@ -337,6 +337,6 @@ class Engine(Client):
                 taken.add(request_id)
                 kwargs = {key: value for key, value in kwargs.items() if key != "streamer"}
                 make = self.core.prompts.make_one
-                requests.append(make(prompt, generation_config, kwargs, self.tokenizer, request_id, resolved_cache))
+                requests.append(make(prompt, generation_config, kwargs, self.tokenizer, request_id))
             self.submit(requests)
         return [request.request_id for request in requests]

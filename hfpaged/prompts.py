@@ -24,7 +24,14 @@ from .core.block_pool import cdiv
 from .core.request import Request, RequestGroup
 from .model import hf_compat
 from .sampling.beam_search import BeamSearch
-from .sampling.params import CallOptions, ResolvedConfig, make_request_params, prompt_name, resolve_generation_config
+from .sampling.params import (
+    CallOptions,
+    ResolvedConfig,
+    ResolvedConfigCache,
+    make_request_params,
+    prompt_name,
+    resolve_generation_config,
+)
 
 if TYPE_CHECKING:
     from .model.attach import PatchState
@@ -207,6 +214,7 @@ class PromptMaker:
         self._model = weakref.ref(model)
         self.state = weakref.proxy(state)  # the state owns this (through the engine): no reference cycle
         self.stop_string_cache: dict = {}  # StopStringCriteria shared by requests with the same stop strings
+        self.resolved_configs = ResolvedConfigCache()  # Engine.add_request's merged configs, across calls
         self._ids = itertools.count()
 
     @property
@@ -252,21 +260,12 @@ class PromptMaker:
         kwargs: dict[str, Any],
         tokenizer: Any,
         request_id: str | None,
-        resolved_cache: dict,
     ) -> Request:
-        """The request of one prompt of an ``Engine.add_requests`` call. ``resolved_cache``: that call's merged
-        configs by their settings (prompts sharing settings share one, as the prompts of a ``generate_many``
-        call do)."""
+        """The request of one prompt of an ``Engine.add_requests`` call. Prompts with the same settings share
+        one merged config (as the prompts of a ``generate_many`` call do), across calls too while the configs
+        it was merged from are unchanged (``ResolvedConfigCache``)."""
         generate_kwargs, options = split_call_options(kwargs)
-        try:  # settings of plain values: a key; others (processor lists, dicts) are resolved each time
-            key = (id(generation_config), tuple(sorted(generate_kwargs.items())))
-            resolved = resolved_cache.get(key)
-        except TypeError:
-            key = resolved = None
-        if resolved is None:
-            resolved = resolve_generation_config(self.model, generation_config, generate_kwargs)
-            if key is not None:
-                resolved_cache[key] = resolved
+        resolved = self.resolved_configs.resolve(self.model, generation_config, generate_kwargs)
         request = self.make(prompt, resolved, CallOptions(**options), tokenizer, index=None, request_id=request_id)
         _warn_about_lengths(self.model, request, resolved)
         return request
