@@ -46,7 +46,9 @@ SETTINGS = [
     {"max_length": 20, "min_new_tokens": 2},
     {"max_new_tokens": 4, "num_beams": 2, "num_return_sequences": 2},
     {"max_new_tokens": 4, "eos_token_id": 7},
-    {"max_new_tokens": 4, "eos_token_id": [7, 9]},  # a list: not a key, resolved each time
+    {"max_new_tokens": 4, "eos_token_id": [7, 9]},  # lists are keyed by value
+    {"max_new_tokens": 4, "stop_strings": ["ab", "c"], "bad_words_ids": [[5], [6, 7]]},
+    {"max_new_tokens": 4, "sequence_bias": {(5,): -1.0}},
     {"max_new_tokens": 5.0},  # a float: applied per request as transformers applies it (update)
 ]
 
@@ -56,10 +58,7 @@ def test_cached_configs_equal_fresh_ones(model, settings):
     cache = ResolvedConfigCache()
     for _ in range(3):  # a miss, then hits
         assert same_config(cache.resolve(model, None, dict(settings)), resolve_generation_config(model, None, settings))
-    if any(isinstance(v, list) for v in settings.values()):
-        assert cache.hits == 0
-    else:
-        assert cache.hits == 2 and cache.misses == 1
+    assert cache.hits == 2 and cache.misses == 1
     gc = GenerationConfig(max_new_tokens=3, do_sample=True, top_k=4)
     for _ in range(2):
         assert same_config(cache.resolve(model, gc, dict(settings)), resolve_generation_config(model, gc, settings))
@@ -106,6 +105,21 @@ def test_changed_configs_are_never_served_stale(model):
     del gc, first, second
     other = GenerationConfig(max_new_tokens=3, do_sample=True, top_k=4)  # may reuse the freed object's id
     assert same_config(cache.resolve(model, other, {}), resolve_generation_config(model, other, {}))
+
+
+def test_list_settings_are_keyed_by_value_and_copied(model):
+    cache = ResolvedConfigCache()
+    eos = [7, 9]
+    first = cache.resolve(model, None, {"max_new_tokens": 4, "eos_token_id": eos})
+    eos.append(11)  # the caller reuses its list: neither the entry nor the next request sees the old value
+    second = cache.resolve(model, None, {"max_new_tokens": 4, "eos_token_id": eos})
+    assert first.generation_config.eos_token_id == [7, 9] and second.generation_config.eos_token_id == [7, 9, 11]
+    third = cache.resolve(model, None, {"max_new_tokens": 4, "eos_token_id": [7, 9]})
+    assert third.generation_config.eos_token_id == [7, 9] and (cache.misses, cache.hits) == (2, 1)
+    assert cache.resolve(model, None, {"max_new_tokens": 4, "eos_token_id": (7, 9)}) is not None
+    assert cache.misses == 3  # a tuple is another key than the list with the same items
+    with pytest.raises(ValueError, match="unsupported arguments"):  # unhashable and unknown: resolved, refused
+        cache.resolve(model, None, {"max_new_tokens": 4, "not_a_setting": torch.zeros(2)})
 
 
 def test_bad_per_request_numbers_raise_as_before(model):

@@ -193,9 +193,9 @@ class ResolvedConfigCache:
             }
         base_kwargs = {k: v for k, v in gen_kwargs.items() if k not in per_request}
         try:
-            key = (id(generation_config), tuple(sorted(base_kwargs.items())))
+            key = (id(generation_config), _freeze(base_kwargs))
             hash(key)
-        except TypeError:  # settings that are not plain values (lists, processors): resolved each time
+        except TypeError:  # settings that are not plain values (processors, tensors): resolved each time
             self.misses += 1
             return resolve_generation_config(model, generation_config, gen_kwargs)
         entry = self._entries.get(key)
@@ -213,7 +213,8 @@ class ResolvedConfigCache:
         if resolved is None:
             self.misses += 1
             snapshot = _snapshot(model, generation_config)  # before resolving: what the entry is made from
-            resolved = resolve_generation_config(model, generation_config, base_kwargs)
+            # the entry keeps copies of list/dict settings (stop strings, eos ids): the caller's may change later
+            resolved = resolve_generation_config(model, generation_config, copy.deepcopy(base_kwargs))
             if snapshot is not None:
                 config_ref = None if generation_config is None else weakref.ref(generation_config)
                 self._entries[key] = (config_ref, snapshot, resolved)
@@ -225,6 +226,19 @@ class ResolvedConfigCache:
             _check_supported(config)
             resolved = ResolvedConfig(config, resolved.has_default_max_length, resolved.has_default_min_length)
         return resolved
+
+
+def _freeze(value: Any) -> Any:
+    """A hashable stand-in for settings made of lists, tuples, dicts and sets (TypeError for anything else
+    unhashable); the container's type is part of it, so [1] and (1,) stay apart."""
+    if isinstance(value, dict):
+        return (dict, tuple(sorted((k, _freeze(v)) for k, v in value.items())))
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_freeze(v) for v in value))
+    if isinstance(value, (set, frozenset)):
+        return (type(value), frozenset(_freeze(v) for v in value))
+    hash(value)
+    return value
 
 
 def _snapshot(model: Any, generation_config: GenerationConfig | None) -> tuple | None:
