@@ -178,6 +178,8 @@ def expand_prompts(
         configs = [generation_config] * len(prompts)
     call_kwargs, call_options = split_call_options(kwargs)
     base_seed = call_options.get("seed")
+    if base_seed is not None and (isinstance(base_seed, bool) or not isinstance(base_seed, int)):
+        raise ValueError(f"seed must be an int, got {base_seed!r}")
     specs = []
     for index, (prompt, config) in enumerate(zip(prompts, configs)):
         own_kwargs: dict[str, Any] = {}

@@ -118,6 +118,8 @@ def test_unknown_patch_option_and_bad_config_values():
         hfpaged.patch(m, block_size=0)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         hfpaged.patch(m, gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="enable_prefix_caching must be True or False, got 'yes'"):
+        hfpaged.patch(m, enable_prefix_caching="yes")
     assert not hasattr(m, "_hfpaged")
 
 
@@ -150,6 +152,11 @@ def test_empty_prompt_list_returns_empty(model):
         ([[4]], {"not_a_setting": 1}, "unsupported arguments"),
         ("hello", {}, "list of prompts"),
         ([[4, 5.5]], {}, "prompt 0 must be a string or a list of int"),
+        ([[4]], {"seed": "7"}, "seed must be an int, got '7'"),
+        ([[4]], {"num_return_sequences": 0}, "num_return_sequences must be a positive int, got 0"),
+        ([[4]], {"num_beams": 0}, "num_beams must be a positive int, got 0"),
+        ([[4]], {"eos_token_id": ["</s>"]}, r"eos_token_id must be an int or a list of ints \(token ids\)"),
+        ([[4]], {"pad_token_id": 1.5}, r"pad_token_id must be an int \(token ids\), got 1.5"),
     ],
 )
 def test_bad_input_raises_before_anything_runs(model, prompts, kwargs, message):

@@ -64,6 +64,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_scales is not None:
             self._check_kv_cache_scales()
+        for name in ("enforce_eager", "async_scheduling", "enable_prefix_caching", "sleep_when_idle"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.compile is not None and not isinstance(self.compile, bool):
             raise ValueError(f"compile must be True, False or None, got {self.compile!r}")
         if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):

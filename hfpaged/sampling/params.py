@@ -298,6 +298,27 @@ def _check_supported(config: GenerationConfig) -> None:
         raise ValueError(f"max_new_tokens must be > 0, got {config.max_new_tokens}")
     if config.max_length is not None and config.max_length <= 0:
         raise ValueError(f"max_length must be > 0, got {config.max_length}")
+    for name in ("num_return_sequences", "num_beams"):
+        value = getattr(config, name, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        value = getattr(config, name, None)
+        if value is not None and not _is_token_ids(value, allow_list=name == "eos_token_id"):
+            kind = "an int or a list of ints" if name == "eos_token_id" else "an int"
+            raise ValueError(f"{name} must be {kind} (token ids), got {value!r}")
+
+
+def _is_token_ids(value: object, allow_list: bool) -> bool:
+    if isinstance(value, torch.Tensor):  # generate takes tensors too
+        return not value.is_floating_point() and not value.is_complex() and (allow_list or value.numel() == 1)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return True
+    return (
+        allow_list
+        and isinstance(value, (list, tuple))
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    )
 
 
 def make_request_params(
