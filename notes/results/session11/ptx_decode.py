@@ -22,6 +22,8 @@ def build(v_transposed: bool, kv="fp8e4nv", q="bf16", tile_n=128, warps=4, stage
     cx = dict(NUM_HEADS=16, GROUP=2, HEAD_DIM=128, HEAD_DIM_PAD=128, HEAD_DIM_V=128, HEAD_DIM_V_PAD=128,
               BLOCK_SIZE=block_size, BLOCK_M=16, BLOCK_Q=8, TILE_N=tile_n, USE_SOFTCAP=False, USE_WINDOW=False,
               SPLIT=False, DOT_PRECISION="tf32", SEARCH_BLOCK=256, KV_FP8=kv.startswith("fp8"), FP8_DOT_F16=True)
+    if "V_3D" in names:
+        cx.setdefault("V_3D", False)
     cx.update(extra or {})
     for i, n in enumerate(names):
         if n in ptr:
