@@ -168,3 +168,54 @@ def test_engine_tokens_follow_model_generation_config_changes(model):
     assert run(engine, [(prompts[0], greedy)]) == reference_generate(model, prompts[:1], **greedy)
     st = hfpaged.stats(model)
     assert st["num_free_blocks"] == st["num_blocks"]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_cached_settings_under_preemption_two_callers_and_changed_weights(mode):
+    """Requests added one at a time through two handles, each with its own max_new_tokens (one cache entry),
+    in a pool so small that they preempt each other (recompute or swap), with overlapped steps: tokens equal
+    stock generate, before and after a weight is changed in place."""
+    model = make_model("llama", seed=11)
+    hfpaged.patch(
+        model,
+        num_blocks=24,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        preemption_mode=mode,
+        swap_space=0.01 if mode == "swap" else None,
+    )
+    prompts = random_prompts([9, 21, 14, 30, 6, 17], seed=61)
+    news = [7, 12, 9, 15, 11, 8]
+    first, second = hfpaged.Engine(model), hfpaged.Engine(model)
+
+    def one_round():
+        added = []
+        for i, (prompt, n) in enumerate(zip(prompts, news)):
+            handle = (first, second)[i % 2]
+            added.append((handle, handle.add_request(prompt, max_new_tokens=n, do_sample=False)))
+        gained = {rid: [] for _, rid in added}
+        while first.has_unfinished() or second.has_unfinished():
+            for handle in (first, second):
+                for out in handle.step():
+                    gained[out.request_id].extend(out.new_token_ids)
+        return [gained[rid] for _, rid in added]
+
+    def stock():
+        return [reference_generate(model, [p], max_new_tokens=n, do_sample=False)[0] for p, n in zip(prompts, news)]
+
+    before = stock()
+    assert one_round() == before
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(-1.0)
+    after = stock()
+    assert after != before
+    assert one_round() == after
+    stats = hfpaged.stats(model)
+    assert stats["num_preemptions"] > 0
+    if mode == "swap":
+        assert stats["num_swapped_out"] > 0
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    assert first.core.num_overlapped_steps > 0
+    cache = first.core.prompts.resolved_configs
+    assert cache.misses == 1 and cache.hits == 2 * len(prompts) - 1
