@@ -28,6 +28,7 @@ from .sampling.params import (
     CallOptions,
     ResolvedConfig,
     ResolvedConfigCache,
+    is_int,
     make_request_params,
     prompt_name,
     resolve_generation_config,
@@ -178,7 +179,7 @@ def expand_prompts(
         configs = [generation_config] * len(prompts)
     call_kwargs, call_options = split_call_options(kwargs)
     base_seed = call_options.get("seed")
-    if base_seed is not None and (isinstance(base_seed, bool) or not isinstance(base_seed, int)):
+    if base_seed is not None and not is_int(base_seed):
         raise ValueError(f"seed must be an int, got {base_seed!r}")
     specs = []
     for index, (prompt, config) in enumerate(zip(prompts, configs)):

@@ -52,8 +52,13 @@ def _is_finite(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def is_int(value: object) -> bool:
+    """An int that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_token_id(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0
 
 
 @dataclass
@@ -71,7 +76,7 @@ class CallOptions:
     top_logprobs: int = 0  # also the top-k alternatives per position (implies return_logprobs)
 
     def __post_init__(self) -> None:
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -84,7 +89,7 @@ class CallOptions:
             raise ValueError(
                 f"logit_bias must be a dict of token id (int >= 0) -> finite float, got {self.logit_bias!r}"
             )
-        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int) or self.top_logprobs < 0:
+        if not is_int(self.top_logprobs) or self.top_logprobs < 0:
             raise ValueError(f"top_logprobs must be an int >= 0, got {self.top_logprobs!r}")
         if self.top_logprobs:
             self.return_logprobs = True
@@ -300,7 +305,7 @@ def _check_supported(config: GenerationConfig) -> None:
         raise ValueError(f"max_length must be > 0, got {config.max_length}")
     for name in ("num_return_sequences", "num_beams"):
         value = getattr(config, name, None)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        if value is not None and (not is_int(value) or value < 1):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
         value = getattr(config, name, None)
@@ -312,13 +317,9 @@ def _check_supported(config: GenerationConfig) -> None:
 def _is_token_ids(value: object, allow_list: bool) -> bool:
     if isinstance(value, torch.Tensor):  # generate takes tensors too
         return not value.is_floating_point() and not value.is_complex() and (allow_list or value.numel() == 1)
-    if isinstance(value, int) and not isinstance(value, bool):
+    if is_int(value):
         return True
-    return (
-        allow_list
-        and isinstance(value, (list, tuple))
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    )
+    return allow_list and isinstance(value, (list, tuple)) and all(is_int(v) for v in value)
 
 
 def make_request_params(
