@@ -314,13 +314,14 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, tile_begin, full_tile_begin, q_pos, kv_end, k_head_ptr, v_head_ptr,
-        block_table_row_ptr, qk_scale, softcap, window,
-        stride_k_b, stride_k_s, stride_k_d, stride_v_b, stride_v_s, stride_v_d,
-        HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_SIZE, TILE_N,
-        USE_SOFTCAP, USE_WINDOW, True, DOT_PRECISION,
-    )  # fmt: skip
+    if USE_WINDOW:  # without a window nothing below the causal range is masked: [tile_begin, full_tile_begin) is empty
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, tile_begin, full_tile_begin, q_pos, kv_end, k_head_ptr, v_head_ptr,
+            block_table_row_ptr, qk_scale, softcap, window,
+            stride_k_b, stride_k_s, stride_k_d, stride_v_b, stride_v_s, stride_v_d,
+            HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_SIZE, TILE_N,
+            USE_SOFTCAP, USE_WINDOW, True, DOT_PRECISION,
+        )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, full_tile_begin, full_tile_end, q_pos, kv_end, k_head_ptr, v_head_ptr,
         block_table_row_ptr, qk_scale, softcap, window,
