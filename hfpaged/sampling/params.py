@@ -199,7 +199,6 @@ class ResolvedConfigCache:
         base_kwargs = {k: v for k, v in gen_kwargs.items() if k not in per_request}
         try:
             key = (id(generation_config), _freeze(base_kwargs))
-            hash(key)
         except TypeError:  # settings that are not plain values (processors, tensors): resolved each time
             self.misses += 1
             return resolve_generation_config(model, generation_config, gen_kwargs)
