@@ -21,9 +21,10 @@ def _locate_sequence(
         else:
             first = cu
         seq = tl.sum((first <= program).to(tl.int32), 0) - 1
-        q_start = tl.sum(tl.where(b == seq, cu, 0), 0)
-        q_end = tl.sum(tl.where(b == seq + 1, cu, 0), 0)
-        seq_len = tl.sum(tl.where(b == seq, lens, 0), 0)
+        # the three values by address (the lines are in L1 from the vector loads): one cross-warp reduction, not four
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_end = tl.load(cu_seqlens_q_ptr + seq + 1)
+        seq_len = tl.load(seq_lens_ptr + seq)
     else:
         count = 0
         for chunk in range(0, tl.cdiv(num_seqs, SEARCH_BLOCK)):
