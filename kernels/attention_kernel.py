@@ -11,17 +11,16 @@ def _locate_sequence(
     # -> (seq, q_start, q_end, seq_len) of the sequence owning this program. Sequence b's first
     # program id is cu[b] // BLOCK_Q + b (cu[b] when BLOCK_Q == 1); these never decrease, so seq =
     # (number of first ids <= program) - 1. With num_seqs + 1 <= SEARCH_BLOCK, one round trip of
-    # vector loads (cu and seq_lens together) answers everything; otherwise count chunk by chunk.
+    # vector load of cu and three scalar loads answer everything; otherwise count chunk by chunk.
     if num_seqs + 1 <= SEARCH_BLOCK:
         b = tl.arange(0, SEARCH_BLOCK)
         cu = tl.load(cu_seqlens_q_ptr + b, mask=b <= num_seqs, other=1 << 30)
-        lens = tl.load(seq_lens_ptr + b, mask=b < num_seqs, other=0)
         if BLOCK_Q > 1:
             first = cu // BLOCK_Q + b
         else:
             first = cu
         seq = tl.sum((first <= program).to(tl.int32), 0) - 1
-        # the three values by address (the lines are in L1 from the vector loads): one cross-warp reduction, not four
+        # the three values by address (cu's line is in L1 from the vector load): one cross-warp reduction, not four
         q_start = tl.load(cu_seqlens_q_ptr + seq)
         q_end = tl.load(cu_seqlens_q_ptr + seq + 1)
         seq_len = tl.load(seq_lens_ptr + seq)
