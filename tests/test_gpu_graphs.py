@@ -157,3 +157,42 @@ def test_capture_without_warm_up_retries_with_one(monkeypatch):
         assert graphs.capture_retries == 1
     assert runner.num_eager_steps == 0
     assert hfpaged.stats(model)["num_free_blocks"] == hfpaged.stats(model)["num_blocks"]
+
+
+def test_greedy_picks_computed_inside_the_graphs(monkeypatch):
+    """Buckets of few rows take their argmax inside the graph (the Triton row argmax: vocabulary >= 4096); the
+    engine uses it only when every row is plain greedy, and the tokens equal stock generate's."""
+    import hfpaged.sampling.sampler as sampler
+
+    model = make_model("llama", vocab_size=5000).cuda()
+    prompts = random_prompts([5, 30, 11, 19], seed=14)
+    expected = reference_generate(model, prompts, max_new_tokens=12, do_sample=False)
+    # mixed buckets hold min(tokens, max_num_seqs + 1) rows: with 16 tokens at most, every bucket the run uses has
+    # fewer than FEW_ROWS rows (the decode bucket of 40 rows, unused here, keeps the eager argmax)
+    hfpaged.patch(model, num_blocks=128, block_size=4, max_num_seqs=40, max_num_batched_tokens=16)
+    eager_argmax = []
+    original = sampler.row_argmax
+    monkeypatch.setattr(sampler, "row_argmax", lambda scores: eager_argmax.append(scores.shape) or original(scores))
+    assert staggered(model, prompts, 12) == expected
+    runner = model._hfpaged.engine.runner
+    assert runner.num_eager_steps == 0 and runner.num_graph_steps > 0
+    assert eager_argmax == []  # every step's picks came from its graph
+    for graphs in (runner.graphs, runner.mixed_graphs):
+        for bucket, greedy in graphs.greedy.items():
+            rows = graphs.outputs[bucket].shape[0]
+            if rows >= sampler.FEW_ROWS:
+                assert greedy is None
+            else:
+                assert greedy is not None and greedy.shape == (rows,)
+    assert runner.graphs.greedy[40] is None and runner.graphs.greedy[8] is not None
+    # the last replayed decode bucket's picks are the argmax of its logits
+    bucket = runner.graphs.buckets[0]
+    runner.graphs.replay(bucket, 1)
+    assert torch.equal(runner.graphs.greedy[bucket], runner.graphs.outputs[bucket].argmax(dim=-1))
+    # a sampled request beside greedy ones: the step draws from the logits (the graph's picks unused), and the
+    # greedy requests still match stock generate
+    eager_argmax.clear()
+    sampled = {"prompt": prompts[2], "do_sample": True, "seed": 3}
+    outputs = model.generate_many(prompts[:2] + [sampled], max_new_tokens=12, do_sample=False)
+    assert [o.token_ids for o in outputs[:2]] == expected[:2]
+    assert len(outputs[2].token_ids) == 12

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..core.block_pool import cdiv
+from ..sampling.sampler import FEW_ROWS, row_argmax
 from .attention import AttentionMetadata
 from .input_batch import DeviceStep, packed_size, padded_width, region_slices, tables_offset
 
@@ -79,6 +80,9 @@ class StepGraphs:
         self.static_block_tables = torch.zeros(largest_reqs, table_width, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # greedy picks of the output rows, computed inside the graph for buckets of few rows (whose argmax is a
+        # few us of GPU time but ~75 us of host time when launched eagerly); None where the rows are many
+        self.greedy: dict[int, torch.Tensor | None] = {}
         self.capture_retries = 0  # buckets whose capture without a warm-up failed (then warmed up and captured)
 
     def shape(self, bucket: int) -> tuple[int, int]:
@@ -152,16 +156,17 @@ class StepGraphs:
                 if self.mixed:
                     shared = torch.empty_like(logits)
                 del logits
-                graph, logits = self._capture_one(forward, bucket, pool, stream, shared)
+                graph, logits, greedy = self._capture_one(forward, bucket, pool, stream, shared)
             else:
                 try:
-                    graph, logits = self._capture_one(forward, bucket, pool, stream, shared)
+                    graph, logits, greedy = self._capture_one(forward, bucket, pool, stream, shared)
                 except RuntimeError as error:
                     logger.info("hfpaged: capture of bucket %d failed without a warm-up (%s); retrying", bucket, error)
                     self.capture_retries += 1
                     self._warm_up(forward, bucket, stream, calls=1)
-                    graph, logits = self._capture_one(forward, bucket, pool, stream, shared)
+                    graph, logits, greedy = self._capture_one(forward, bucket, pool, stream, shared)
             self.outputs[bucket] = logits
+            self.greedy[bucket] = greedy
             self.graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
         kind = "mixed-step (tokens" if self.mixed else "decode (batch"
@@ -177,7 +182,8 @@ class StepGraphs:
         return logits
 
     def _capture_one(self, forward, bucket: int, pool, stream: torch.cuda.Stream, shared):
-        """One bucket's graph and its output (mixed: a view of ``shared``, the buffer every graph copies into)."""
+        """One bucket's graph, its output (mixed: a view of ``shared``, the buffer every graph copies into) and the
+        output rows' argmax (None for buckets of many rows)."""
         graph = torch.cuda.CUDAGraph()
         stream.wait_stream(torch.cuda.current_stream(self.device))
         # thread_local: other threads (stock generate, another model) may keep using the GPU meanwhile
@@ -186,7 +192,8 @@ class StepGraphs:
             if self.mixed:
                 shared[: logits.shape[0]].copy_(logits)
                 logits = shared[: logits.shape[0]]
-        return graph, logits
+            greedy = row_argmax(logits) if logits.shape[0] < FEW_ROWS else None
+        return graph, logits, greedy
 
     def load(self, packed_host: torch.Tensor, bucket: int, width: int) -> None:
         """Copy a packed step (built for ``bucket``'s shape and ``width`` block columns) into the static buffers."""
@@ -199,6 +206,12 @@ class StepGraphs:
     def input_ids(self, bucket: int) -> torch.Tensor:
         """The static int32 input ids of ``bucket``'s graph (to patch in tokens that are already on the device)."""
         return self.static[region_slices(*self.shape(bucket))["input_ids"]]
+
+    def greedy_tokens(self, bucket: int, num_sampled: int) -> torch.Tensor | None:
+        """The argmax of the rows ``replay`` returned, computed by the graph (None for buckets of many rows). It is
+        overwritten by the bucket's next replay: read it (or enqueue its reads) before that."""
+        greedy = self.greedy.get(bucket)
+        return None if greedy is None else greedy[:num_sampled]
 
     def replay(self, bucket: int, num_sampled: int) -> torch.Tensor:
         """Replay the graph of ``bucket`` on the loaded inputs; logits ``[num_sampled, vocab]``."""

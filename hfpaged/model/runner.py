@@ -113,13 +113,16 @@ class ModelRunner:
             return None
         if not self._warmed:
             self.warmup()
-        logits, host = self._forward_step(out)
+        logits, host, greedy = self._forward_step(out)
         if self.previous is not None and any(s.params.stages_read_history or s.num_forks for s in host.sample_states):
             self.previous.result()  # this step's processors (or forks) read every earlier token
-        self.previous = self.sampler.sample(logits, host.sample_states, host.sample_positions)
+        # the graph's greedy picks are overwritten by its next replay; the next step reads these tokens (into its
+        # inputs, and their copy to the host) on this stream before it replays anything
+        self.previous = self.sampler.sample(logits, host.sample_states, host.sample_positions, greedy=greedy)
         return self.previous
 
-    def _forward_step(self, out: SchedulerOutput) -> tuple[torch.Tensor, HostStep]:
+    def _forward_step(self, out: SchedulerOutput) -> tuple[torch.Tensor, HostStep, torch.Tensor | None]:
+        """(logits of the sampled rows, the host step, their argmax where a CUDA graph computed it)."""
         graphs, bucket = self._graphs_for(out)
         if graphs is not None:
             # the step's own (padded) table width: the graph reads only the [R, width] corner it is given
@@ -127,7 +130,8 @@ class ModelRunner:
             graphs.load(self._stage(host.packed), bucket, host.width)
             self._fill_pending(graphs.input_ids(bucket), host.pending)
             self.num_graph_steps += 1
-            return graphs.replay(bucket, host.num_sampled), host
+            logits = graphs.replay(bucket, host.num_sampled)
+            return logits, host, graphs.greedy_tokens(bucket, host.num_sampled)
         host = self.batch.pack(out.scheduled, self.previous)
         buffer = self._stage(host.packed).to(self.device, non_blocking=True)
         self._fill_pending(buffer[region_slices(host.num_tokens, host.num_reqs)["input_ids"]], host.pending)
@@ -142,7 +146,7 @@ class ModelRunner:
         calibrate = self.state.calibration_pending  # fp8 scales from the first step that stores K/V
         logits = self.forward(step, logits_indices=keep, calibrate=calibrate)
         self.state.calibration_pending = False
-        return logits, host
+        return logits, host, None
 
     # --- host -> device ---------------------------------------------------------------------------
 

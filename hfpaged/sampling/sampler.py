@@ -18,6 +18,8 @@ complete, then selected with transformers' beam steps).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..core.block_pool import cdiv
@@ -77,24 +79,38 @@ def _copy_to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event 
 
 
 _ARGMAX_CHUNKS = 64
+FEW_ROWS = 32  # row_argmax takes its own path below this many rows (torch's argmax is fine for more)
 
 
 def row_argmax(scores: torch.Tensor) -> torch.Tensor:
-    """``scores.argmax(dim=-1)`` (the first maximum on ties), fast for a few long rows.
+    """``scores.argmax(dim=-1)`` (the first maximum on ties, a NaN first), fast for a few long rows.
 
-    One row of a large vocabulary is a single-block reduction on the GPU (~37 us for 128k logits on an
-    H100); with few rows the vocabulary is reduced in chunks first (the max of each chunk, then of
-    the chunk maxima), which spreads the work over many blocks and keeps the first-maximum rule.
+    One row of a large vocabulary is slow for torch on the GPU (a single-block reduction, or several small
+    kernels: 9-26 us on an H100 by vocabulary size); on CUDA with Triton, few rows go to hfpaged's two-launch
+    chunked argmax (``hfpaged.kernels.argmax``). Elsewhere, few rows are reduced in chunks first (the max of each
+    chunk, then of the chunk maxima), which keeps the first-maximum rule.
     """
     num_rows, vocab = scores.shape
-    if num_rows >= 32 or vocab < 4096:
+    if num_rows >= FEW_ROWS or vocab < 4096:
         return scores.argmax(dim=-1)
+    if scores.device.type == "cuda" and _triton_argmax() is not None and scores.stride(1) == 1:
+        return _triton_argmax()(scores)
     width = cdiv(vocab, _ARGMAX_CHUNKS)
     if width * _ARGMAX_CHUNKS != vocab:
         scores = torch.nn.functional.pad(scores, (0, width * _ARGMAX_CHUNKS - vocab), value=float("-inf"))
     values, index = scores.view(num_rows, _ARGMAX_CHUNKS, width).max(dim=-1)
     chunk = values.argmax(dim=-1, keepdim=True)
     return (chunk * width + index.gather(1, chunk))[:, 0]
+
+
+@functools.cache
+def _triton_argmax():
+    """``hfpaged.kernels.argmax.row_argmax``, or None without Triton."""
+    try:
+        from ..kernels.argmax import row_argmax as kernel
+    except ImportError:
+        return None
+    return kernel
 
 
 class StepResult:
@@ -204,28 +220,39 @@ class Sampler:
         self.context: StageContext | None = None
         self._column_keys: dict[tuple[int, torch.device], torch.Tensor] = {}
 
-    def sample(self, logits: torch.Tensor, states: list[CachedRequestState], positions: list[int]) -> StepResult:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        states: list[CachedRequestState],
+        positions: list[int],
+        greedy: torch.Tensor | None = None,
+    ) -> StepResult:
         """Pick the tokens of a step's sampled rows (``positions``: each row's sequence length, the noise
         counter). Beam rows go to their group; a parallel-sampling parent's first row is drawn for each
-        sequence it forks into, too."""
+        sequence it forks into, too. ``greedy``: ``row_argmax(logits)`` already computed (by a CUDA graph), used
+        where every row is plain greedy."""
         beam_rounds: list[BeamRound] = []
         if any(state.beam_search is not None for state in states):
             logits, states, positions, beam_rounds = _take_beam_rows(logits, states, positions)
+            greedy = None  # the rows changed
         forks: dict[str, list[tuple[int, CachedRequestState]]] = {}
         if any(state.num_forks for state in states):
             logits, states, positions, forks = _add_fork_rows(logits, states, positions)
+            greedy = None
         if not states:
             return StepResult(logits.new_zeros(0, dtype=torch.int64), [], beam_rounds=beam_rounds)
-        result = self._draw(logits, states, positions, forks, beam_rounds)
+        result = self._draw(logits, states, positions, forks, beam_rounds, greedy)
         for children in forks.values():  # not kept: the scheduler sends them whole at their first step
             for _, child in children:
                 child.is_finished = True
         return result
 
-    def _draw(self, logits, states, positions, forks, beam_rounds) -> StepResult:
+    def _draw(self, logits, states, positions, forks, beam_rounds, greedy=None) -> StepResult:
         if not any(s.params.stages or s.params.do_sample or s.params.return_logprobs for s in states):
             # plain greedy: argmax of the raw logits (a bf16 -> fp32 upcast keeps order and ties)
-            return StepResult(row_argmax(logits), states, forks=forks, beam_rounds=beam_rounds)
+            if greedy is None or greedy.shape[0] != logits.shape[0]:
+                greedy = row_argmax(logits)
+            return StepResult(greedy, states, forks=forks, beam_rounds=beam_rounds)
         scores = logits.float()
         if any(s.params.stages for s in states):
             if self.context is None:
