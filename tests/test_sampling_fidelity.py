@@ -217,7 +217,7 @@ def test_row_argmax_equals_argmax_with_ties_and_ragged_vocab(vocab, device):
     from hfpaged.sampling.sampler import row_argmax
 
     gen = torch.Generator().manual_seed(vocab)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):  # float64: not the Triton kernel's, torch's path
         scores = torch.randn(5, vocab, generator=gen).to(dtype).to(device)
         scores[1, 7] = scores[1, vocab - 1] = 40.0  # a tie across chunks: the first wins
         scores[2, vocab - 1] = 40.0  # the maximum in the last, partly padded chunk

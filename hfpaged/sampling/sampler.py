@@ -93,7 +93,12 @@ def row_argmax(scores: torch.Tensor) -> torch.Tensor:
     num_rows, vocab = scores.shape
     if num_rows >= FEW_ROWS or vocab < 4096:
         return scores.argmax(dim=-1)
-    if scores.device.type == "cuda" and _triton_argmax() is not None and scores.stride(1) == 1:
+    if (
+        scores.device.type == "cuda"
+        and scores.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and scores.stride(1) == 1
+        and _triton_argmax() is not None
+    ):
         return _triton_argmax()(scores)
     width = cdiv(vocab, _ARGMAX_CHUNKS)
     if width * _ARGMAX_CHUNKS != vocab:
