@@ -24,6 +24,7 @@ import torch
 
 from ..core.block_pool import cdiv
 from ..core.runner_output import BeamRound, ForkedSample, ModelRunnerOutput, SampledToken
+from ..kernels._checks import FLOAT_DTYPES
 from .parallel_sampling import child_params
 from .processors import StageContext, run_stages
 from .request_state import CachedRequestState
@@ -95,7 +96,7 @@ def row_argmax(scores: torch.Tensor) -> torch.Tensor:
         return scores.argmax(dim=-1)
     if (
         scores.device.type == "cuda"
-        and scores.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and scores.dtype in FLOAT_DTYPES  # the kernel's dtypes (others: torch's chunked path below)
         and scores.stride(1) == 1
         and _triton_argmax() is not None
     ):
