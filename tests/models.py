@@ -46,6 +46,22 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "opt": ("OPTConfig", dict(num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64, init_std=0.3)),
     "gpt_neox": ("GPTNeoXConfig", dict(num_attention_heads=4, initializer_range=0.3)),
 }
+# GPT-J's attention runs through transformers' attention interface from transformers 5.24 on (earlier versions
+# compute it in the class, and patch refuses the model: tests/test_api.py)
+GPTJ_CONFIG = dict(n_head=4, n_embd=64, n_layer=2, n_positions=MAX_POS, rotary_dim=8, initializer_range=0.3)
+
+
+def uses_attention_interface(model_type: str) -> bool:
+    """Whether transformers' modeling code of ``model_type`` calls the attention interface."""
+    import importlib
+    import inspect
+
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(module)
+
+
+if uses_attention_interface("gptj"):
+    ARCHS["gptj"] = ("GPTJConfig", GPTJ_CONFIG)
 
 
 def make_config(arch: str, **overrides):
@@ -54,7 +70,7 @@ def make_config(arch: str, **overrides):
     cls_name, kwargs = ARCHS[arch]
     cls = getattr(transformers, cls_name)
     base = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2)
-    if arch != "gpt2":
+    if arch not in ("gpt2", "gptj"):
         base.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=MAX_POS)
     base.update(kwargs)
     base.update(overrides)
