@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from .dependent_launch import wait_for_previous_kernel
+
 
 @triton.jit
 def _locate_sequence(
@@ -233,14 +235,18 @@ def _paged_attention_kernel(
     SEARCH_BLOCK: tl.constexpr,
     KV_FP8: tl.constexpr,
     FP8_DOT_F16: tl.constexpr = True,  # fp8 caches with bf16 queries: dots in fp16 (False: upcast K/V to bf16)
+    USE_PDL: tl.constexpr = False,  # programmatic dependent launch (dependent_launch.py)
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
+    # the sequence lookup reads step inputs only: it may overlap the previous kernel (store_kv); q and the caches
+    # are read after the wait
     seq, q_start, q_end, seq_len = _locate_sequence(
         cu_seqlens_q_ptr, seq_lens_ptr, program, num_seqs, BLOCK_Q, SEARCH_BLOCK
     )
+    wait_for_previous_kernel(USE_PDL)
     q_len = q_end - q_start
     if BLOCK_Q > 1:
         # Last query block first: the heaviest causal blocks start early, the light ones fill the tail.

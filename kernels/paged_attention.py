@@ -32,6 +32,7 @@ from ._checks import (
 )
 from .attention_config import AttentionConfig, choose_config
 from .attention_kernel import _paged_attention_kernel
+from .dependent_launch import launch_options
 from .split_merge import _merge_splits_kernel
 
 LOG2E = 1.4426950408889634
@@ -93,6 +94,7 @@ def paged_attention_with_config(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    launch_pdl: bool = False,
 ) -> torch.Tensor:
     """paged_attention with an explicit tile config (tests, tuning); arguments are not re-checked.
 
@@ -162,8 +164,10 @@ def paged_attention_with_config(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SEARCH_BLOCK=search_block(num_seqs),
         KV_FP8=fp8,
+        USE_PDL=launch_pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **launch_options(launch_pdl),
     )
     if split:
         splits_pad = next_power_of_2(config.num_splits)
@@ -179,7 +183,9 @@ def paged_attention_with_config(
             HEAD_DIM_V=head_dim_v,
             HEAD_DIM_V_PAD=head_dim_v_pad,
             SPLITS_PAD=splits_pad,
+            USE_PDL=launch_pdl,
             num_warps=4 if splits_pad * head_dim_v_pad <= 4096 else 8,
+            **launch_options(launch_pdl),
         )
     return out
 
@@ -199,11 +205,13 @@ def paged_attention(
     max_seqlen_k: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    launch_pdl: bool = False,
 ) -> torch.Tensor:
     """Causal paged attention over a packed batch (GQA, sliding window, softcap) -> ``[T, num_heads, head_dim_v]``.
 
     fp8 caches (float8_e4m3fn / float8_e5m2) need ``k_scale``/``v_scale`` (one-element float32 tensors):
-    K/V tiles are dequantized as they are loaded.
+    K/V tiles are dequantized as they are loaded. ``launch_pdl``: programmatic dependent launch (see
+    ``dependent_launch.py``; needs ``dependent_launch_supported``).
     """
     _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale)
     if not scale > 0:
@@ -248,4 +256,5 @@ def paged_attention(
         softcap=softcap,
         k_scale=k_scale,
         v_scale=v_scale,
+        launch_pdl=launch_pdl,
     )

@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from .dependent_launch import wait_for_previous_kernel
+
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
@@ -17,7 +19,9 @@ def _merge_splits_kernel(
     HEAD_DIM_V: tl.constexpr,
     HEAD_DIM_V_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)

@@ -17,6 +17,7 @@ from ._checks import (
     launches_on_first_tensor_gpu,
     next_power_of_2,
 )
+from .dependent_launch import launch_options, wait_for_previous_kernel
 
 
 @triton.jit
@@ -51,10 +52,12 @@ def _store_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One program per token: all heads of its K row and V row, as one [heads, head_dim] tile each.
     token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)  # a step input: read before the previous kernel ends
+    wait_for_previous_kernel(USE_PDL)
     if slot < 0:
         return
     block = slot // BLOCK_SIZE
@@ -108,11 +111,13 @@ def store_kv(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     num_warps: int | None = None,
+    launch_pdl: bool = False,
 ) -> None:
     """Write key/value ``[T, num_kv_heads, head_dim]`` into the paged caches at ``slot_mapping`` (-1 = skip).
 
     fp8 caches (float8_e4m3fn / float8_e5m2) need ``k_scale``/``v_scale`` (one-element float32 tensors): each
-    value is stored as ``x / scale`` saturated to the format's finite range.
+    value is stored as ``x / scale`` saturated to the format's finite range. ``launch_pdl``: programmatic
+    dependent launch (see ``dependent_launch.py``; needs ``dependent_launch_supported``).
     """
     check_tensor("key", key, 3, FLOAT_DTYPES)
     check_tensor("value", value, 3, FLOAT_DTYPES)
@@ -160,5 +165,7 @@ def store_kv(
         BLOCK_SIZE=block_size,
         FP8=fp8,
         FP8_MAX=FP8_MAX.get(k_cache.dtype, 0.0),
+        USE_PDL=launch_pdl,
         num_warps=num_warps,
+        **launch_options(launch_pdl),
     )

@@ -44,11 +44,13 @@ def warm_up(
     column_multiple: int = 16,
     dtype: torch.dtype | None = None,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    launch_pdl: bool = False,
 ) -> None:
     """Run every variant once on one layer's caches (writing nothing: every slot is -1).
 
     ``column_multiple``: the caller pads block-table rows to a multiple of this (the row stride is a
     specialized kernel argument). fp8 caches need the query ``dtype`` and the layer's ``kv_scales``.
+    ``launch_pdl``: the variants with programmatic dependent launch (as the engine will launch them).
     """
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     device, dtype = k_cache.device, dtype or k_cache.dtype  # dtype: the queries' (fp8 caches: the model's)
@@ -90,6 +92,7 @@ def warm_up(
             softcap=softcap,
             max_seqlen_q=max_q,
             max_seqlen_k=context,
+            launch_pdl=launch_pdl,
             **scales,
         )
         slots = torch.full((num_tokens,), -1, dtype=torch.int32, device=device)
@@ -100,6 +103,7 @@ def warm_up(
             k_cache,
             v_cache,
             slots,
+            launch_pdl=launch_pdl,
             **scales,
         )
 

@@ -154,7 +154,7 @@ def test_default_compile_falls_back_to_eager_layers_on_a_compile_error(monkeypat
     # eager layers and a warning. compile=True asked for it: the same error stands.
     from torch._dynamo.exc import Unsupported
 
-    def failing_compile(max_seqlen_k):
+    def failing_compile(max_seqlen_k, launch_pdl=False):
         def compiled(*args, **kwargs):
             raise Unsupported("a layer dynamo cannot trace")
 

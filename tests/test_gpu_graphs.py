@@ -196,3 +196,26 @@ def test_greedy_picks_computed_inside_the_graphs(monkeypatch):
     outputs = model.generate_many(prompts[:2] + [sampled], max_new_tokens=12, do_sample=False)
     assert [o.token_ids for o in outputs[:2]] == expected[:2]
     assert len(outputs[2].token_ids) == 12
+
+
+@pytest.mark.parametrize("dependent_launch", [True, False])
+def test_dependent_launch_tokens_equal_stock_generate(dependent_launch):
+    """Programmatic dependent launch (the default on Hopper) inside decode and mixed graphs with compiled layers,
+    a pool small enough to preempt: tokens equal stock generate's, as with plain launches."""
+    from hfpaged.kernels.dependent_launch import dependent_launch_supported
+
+    if dependent_launch and not dependent_launch_supported(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
+    model = make_model("qwen3").cuda()
+    prompts = random_prompts([3, 40, 9, 17, 70, 5, 33, 12, 26, 8], seed=21)
+    expected = reference_generate(model, prompts, max_new_tokens=24, do_sample=False)
+    hfpaged.patch(
+        model, num_blocks=40, block_size=4, max_num_seqs=6, max_num_batched_tokens=64,
+        dependent_launch=dependent_launch,
+    )  # fmt: skip
+    assert model._hfpaged.dependent_launch is dependent_launch
+    assert staggered(model, prompts, 24, every=2) == expected
+    runner = model._hfpaged.engine.runner
+    assert runner.num_eager_steps == 0 and runner.mixed_graphs is not None and runner.graphs is not None
+    assert hfpaged.stats(model)["num_preemptions"] > 0
+    assert hfpaged.stats(model)["num_free_blocks"] == 40

@@ -498,3 +498,67 @@ def test_warm_up_threads_setting_is_checked(monkeypatch):
         monkeypatch.setenv("HFPAGED_WARMUP_THREADS", bad)
         with pytest.raises(ValueError, match="HFPAGED_WARMUP_THREADS must be a positive integer"):
             warmup._threads_from_env()
+
+
+def _layer_chain(batch, caches, slots, launch_pdl, kwargs):
+    """Layers of torch ops feeding store_kv and paged_attention (as in a model): each layer's new K/V and queries
+    come from the previous layer's output, so a kernel that started before its inputs were written would show."""
+    x = batch["q"]
+    for k_cache, v_cache in caches:
+        h = x * 1.5 - 0.25  # the projections' stand-ins: written by the kernels just before store_kv
+        key = h[:, : k_cache.shape[2]].contiguous()
+        store_kv(key, torch.tanh(key), k_cache, v_cache, slots, launch_pdl=launch_pdl)
+        x = paged_attention(
+            h, k_cache, v_cache, batch["block_tables"], batch["seq_lens"], batch["cu_seqlens_q"],
+            launch_pdl=launch_pdl, **kwargs,
+        )  # fmt: skip
+    return x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["decode_split", "mixed"])
+def test_gpu_dependent_launch_equals_plain_launch_in_a_graph(kind):
+    from hfpaged.kernels.dependent_launch import dependent_launch_supported
+
+    if not dependent_launch_supported(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
+    if kind == "decode_split":  # few sequences: split context, then the merge kernel
+        q_lens, seq_lens, max_q = [1] * 3, [3000, 700, 4096], 1
+    else:
+        q_lens, seq_lens, max_q = [1, 300, 1, 57], [2000, 300, 64, 900], 300
+    batch = _gpu_batch(q_lens, seq_lens, num_heads=16, num_kv_heads=8)
+    kwargs = dict(scale=128**-0.5, max_seqlen_q=max_q, max_seqlen_k=4096)
+    # the new tokens' slots: each sequence's last q_len positions, through its block table
+    table = batch["block_tables"].cpu()
+    slots = []
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        slots += [int(table[b, p // 16]) * 16 + p % 16 for p in range(seq_len - q_len, seq_len)]
+    slots = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    base = [(batch["k_cache"].nan_to_num(0.0), batch["v_cache"].nan_to_num(0.0)) for _ in range(6)]
+
+    def run(launch_pdl, caches):
+        return _layer_chain(batch, caches, slots, launch_pdl, kwargs)
+
+    plain = run(False, [(k.clone(), v.clone()) for k, v in base])
+    eager = run(True, [(k.clone(), v.clone()) for k, v in base])
+    assert torch.equal(plain, eager)  # the same kernels on the same data: bit for bit
+
+    caches = [(k.clone(), v.clone()) for k, v in base]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run(True, caches)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(True, caches)
+    for seed in range(5):
+        torch.manual_seed(seed)
+        batch["q"].normal_()
+        for (k, v), (k0, v0) in zip(caches, base):
+            k.copy_(k0)
+            v.copy_(v0)
+        graph.replay()
+        expected = run(False, [(k0.clone(), v0.clone()) for k0, v0 in base])
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected), f"replay {seed}: {(out != expected).sum()} elements differ"

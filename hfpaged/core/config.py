@@ -38,6 +38,9 @@ class EngineConfig:
     # one (k_scale, v_scale) per attention layer; None: the checkpoint's k_scale/v_scale, else calibrated
     fuse_projections: bool | None = None  # q/k/v and gate/up as one GEMM each in paged steps (weights moved into
     # one buffer per group, no copy); None: on for layers on CUDA devices only; False: off (unfused, exact)
+    dependent_launch: bool | None = None  # programmatic dependent launch inside steps (each Triton kernel, ours and
+    # the compiled layers', starts while the kernel before it ends); None: on where supported (CUDA compute
+    # capability 9.0+) except under tensor parallelism; True: required (an error where unsupported); False: off
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -67,10 +70,9 @@ class EngineConfig:
         for name in ("enforce_eager", "async_scheduling", "enable_prefix_caching", "sleep_when_idle"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.compile is not None and not isinstance(self.compile, bool):
-            raise ValueError(f"compile must be True, False or None, got {self.compile!r}")
-        if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):
-            raise ValueError(f"fuse_projections must be True, False or None, got {self.fuse_projections!r}")
+        for name in ("compile", "fuse_projections", "dependent_launch"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
         if self.compile_cache_dir is not None and not isinstance(self.compile_cache_dir, str):
             raise ValueError(f"compile_cache_dir must be a path, '' or None, got {self.compile_cache_dir!r}")
         if self.cpu_kv_cache_gib <= 0:

@@ -137,12 +137,29 @@ class PatchState:
             return True
         return self.uses_cuda and all(layer.head_dim == layer.head_dim_v for layer in self.layers)
 
+    @property
+    def dependent_launch(self) -> bool:
+        """Whether the Triton kernels launch with programmatic dependent launch (``EngineConfig.dependent_launch``;
+        every layer's device must support it). The default leaves it off under tensor parallelism, where it has
+        not run yet (no two-GPU machine since it was built); ``True`` turns it on there too."""
+        if self.config.dependent_launch is False or not self.use_triton:
+            return False
+        if self.config.dependent_launch is None and self.tp is not None:
+            return False
+        from ..kernels.dependent_launch import dependent_launch_supported
+
+        return all(dependent_launch_supported(layer.device) for layer in self.layers)
+
     def attention_functions(self) -> tuple[Callable, Callable]:
         """(store_kv, paged_attention) for this model: Triton kernels on CUDA, else the torch reference."""
         from .. import kernels
 
         if self.use_triton:
-            return kernels.store_kv, kernels.paged_attention
+            launch_pdl = self.dependent_launch
+            return (
+                functools.partial(kernels.store_kv, launch_pdl=launch_pdl),
+                functools.partial(kernels.paged_attention, launch_pdl=launch_pdl),
+            )
         return kernels.store_kv_reference, kernels.paged_attention_reference
 
 
@@ -216,6 +233,8 @@ def _attach(
     if kv_dtype is not None:
         for device in {layer.device for layer in layers}:
             check_fp8_device(device, kv_dtype, config.kv_cache_dtype)
+    if config.dependent_launch:
+        check_dependent_launch(layers, config.attention_backend)
     num_blocks = size_pool(model, config, layers, attn_configs, input_device, model_len, lock)
     if tp is not None:
         num_blocks = tp.min_int(num_blocks)  # a block id names the same slots on every rank
@@ -265,6 +284,27 @@ def _attach(
     )
     model._hfpaged = state
     return state
+
+
+def check_dependent_launch(layers: list[LayerRecord], attention_backend: str) -> None:
+    """Raise ValueError unless every layer's device can run the Triton kernels with programmatic dependent launch
+    (``dependent_launch=True`` asks for it; None takes it where it is supported)."""
+    from ..kernels.dependent_launch import dependent_launch_supported
+
+    if attention_backend == "torch":
+        raise ValueError("dependent_launch=True applies to the Triton kernels; attention_backend='torch' runs none")
+    for device in sorted({layer.device for layer in layers}, key=str):
+        if not dependent_launch_supported(device):
+            what = (
+                f"{torch.cuda.get_device_name(device)}, compute capability "
+                + ".".join(map(str, torch.cuda.get_device_capability(device)))
+                if device.type == "cuda"
+                else "not a CUDA device"
+            )
+            raise ValueError(
+                f"dependent_launch=True needs CUDA GPUs of compute capability 9.0 or newer (Hopper on) and a Triton "
+                f"with grid dependency control; a layer is on {device} ({what}). Use dependent_launch=None or False."
+            )
 
 
 def bind_caches(state: PatchState, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -51,11 +51,12 @@ def register_custom_ops() -> None:
         slot_mapping: torch.Tensor,
         k_scale: torch.Tensor | None,
         v_scale: torch.Tensor | None,
+        launch_pdl: bool,
     ) -> None:
-        store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale, launch_pdl=launch_pdl)
 
     @store_kv_op.register_fake
-    def _store_kv_fake(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:
+    def _store_kv_fake(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, launch_pdl) -> None:
         return None
 
     @torch.library.custom_op("hfpaged::paged_attention", mutates_args=())
@@ -73,6 +74,7 @@ def register_custom_ops() -> None:
         max_seqlen_k: int,
         k_scale: torch.Tensor | None,
         v_scale: torch.Tensor | None,
+        launch_pdl: bool,
     ) -> torch.Tensor:
         return paged_attention(
             q,
@@ -88,6 +90,7 @@ def register_custom_ops() -> None:
             max_seqlen_k=max_seqlen_k,
             k_scale=k_scale,
             v_scale=v_scale,
+            launch_pdl=launch_pdl,
         )
 
     @paged_attention_op.register_fake
@@ -105,6 +108,7 @@ def register_custom_ops() -> None:
         max_seqlen_k,
         k_scale,
         v_scale,
+        launch_pdl,
     ) -> torch.Tensor:
         return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
 
@@ -117,6 +121,7 @@ def compiled_attention(module, query, key, value, scaling, sliding_window, softc
     scales = module.__dict__.get("_hfpaged_kv_scale")  # fp8 caches: (whole, k_scale, v_scale); never calibrates
     k_scale, v_scale = (None, None) if scales is None else scales[1:]
     q = query[0].transpose(0, 1)
+    launch_pdl = kwargs["hfpaged_launch_pdl"]  # a Python bool: a constant of the compiled graph
     torch.ops.hfpaged.store_kv(
         key[0].transpose(0, 1),
         value[0].transpose(0, 1),
@@ -125,6 +130,7 @@ def compiled_attention(module, query, key, value, scaling, sliding_window, softc
         kwargs["hfpaged_slot_mapping"],
         k_scale,
         v_scale,
+        launch_pdl,
     )
     out = torch.ops.hfpaged.paged_attention(
         q,
@@ -140,6 +146,7 @@ def compiled_attention(module, query, key, value, scaling, sliding_window, softc
         int(kwargs["hfpaged_max_seqlen_k"]),
         k_scale,
         v_scale,
+        launch_pdl,
     )
     return out.unsqueeze(0)
 
@@ -240,19 +247,29 @@ def _compiled_forwards(regions: list[tuple[torch.nn.Module, Callable]]) -> Itera
             module.__dict__.pop("forward", None)
 
 
+def inductor_options(launch_pdl: bool) -> dict:
+    """Inductor settings of the compiled layers: with ``launch_pdl`` its kernels use programmatic dependent launch
+    too (each waits for the kernel before it only where it reads what that kernel wrote), where torch has it."""
+    if launch_pdl and hasattr(torch._inductor.config.triton, "enable_pdl"):
+        return {"triton.enable_pdl": True}
+    return {}
+
+
 class CompiledStepForward:
     """``(model, input_ids, position_ids, slots, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q=,
     logits_indices=) -> logits`` of a step in a CUDA graph (decode: ``max_seqlen_q`` 1, every row sampled; mixed:
     ``max_seqlen_q`` the token bucket, the ``logits_indices`` rows sampled), its repeated blocks compiled
     (``regional``, the default) or the whole forward compiled."""
 
-    def __init__(self, max_seqlen_k: int, regional: bool = True):
+    def __init__(self, max_seqlen_k: int, regional: bool = True, launch_pdl: bool = False):
         register_custom_ops()
         self.max_seqlen_k = max_seqlen_k
+        self.launch_pdl = launch_pdl  # the Triton kernels' programmatic dependent launch (dependent_launch.py)
         self.regional = regional
-        self.block_forward = torch.compile(_call_block, dynamic=True)
-        self.other_forward = torch.compile(_call_other, dynamic=True)
-        self.whole_forward = torch.compile(self._forward, dynamic=True)
+        options = inductor_options(launch_pdl)
+        self.block_forward = torch.compile(_call_block, dynamic=True, options=options)
+        self.other_forward = torch.compile(_call_other, dynamic=True, options=options)
+        self.whole_forward = torch.compile(self._forward, dynamic=True, options=options)
 
     @torch.no_grad()
     def _forward(
@@ -270,6 +287,7 @@ class CompiledStepForward:
             hfpaged_cu_seqlens_q=cu_seqlens_q,
             hfpaged_max_seqlen_q=max_seqlen_q + MAX_SEQLEN_Q_OFFSET,
             hfpaged_max_seqlen_k=self.max_seqlen_k,
+            hfpaged_launch_pdl=self.launch_pdl,
         )
         return output.logits[0]
 
@@ -287,6 +305,6 @@ class CompiledStepForward:
             return self._forward(model, *step_tensors, max_seqlen_q, keep)
 
 
-def compile_step_forward(max_seqlen_k: int, regional: bool = True) -> CompiledStepForward:
+def compile_step_forward(max_seqlen_k: int, regional: bool = True, launch_pdl: bool = False) -> CompiledStepForward:
     """The compiled step forward of the CUDA graphs (compiles lazily, at its first call)."""
-    return CompiledStepForward(max_seqlen_k, regional)
+    return CompiledStepForward(max_seqlen_k, regional, launch_pdl)

@@ -239,6 +239,7 @@ class ModelRunner:
                 column_multiple=padded_width(1),
                 dtype=layer.dtype,
                 kv_scales=None if layer_scales is None else (layer_scales[0:1], layer_scales[1:2]),
+                launch_pdl=self.state.dependent_launch,
             )
         torch.cuda.synchronize(self.device)
         self.warmup_seconds = time.perf_counter() - start
@@ -295,13 +296,14 @@ class ModelRunner:
                 "max_seqlen_k": max_seqlen_k,
                 "kv_cache_dtype": self.config.kv_cache_dtype,
                 "fuse_projections": bool(getattr(self.state.fused_projections, "groups", None)),
+                "dependent_launch": self.state.dependent_launch,
             }
             self._compile_cache = CompileCache.for_model(
                 self.model, self.device, self.config.compile_cache_dir, options
             )
         if self._compile_cache is not None:
             self._compile_cache.load()
-        return compile_step_forward(max_seqlen_k)
+        return compile_step_forward(max_seqlen_k, launch_pdl=self.state.dependent_launch)
 
     def capture_graphs(self, mixed: bool = False) -> StepGraphs | None:
         """The decode CUDA graphs (``mixed``: those of steps with prefill tokens), captured now if they are not

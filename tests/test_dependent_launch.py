@@ -1,0 +1,72 @@
+"""Programmatic dependent launch settings (the kernels' GPU behaviour: test_kernels.py and test_gpu_graphs.py)."""
+
+import pytest
+import torch
+from models import make_model, random_prompts, reference_generate
+
+import hfpaged
+from hfpaged.core.config import EngineConfig
+from hfpaged.kernels.dependent_launch import dependent_launch_supported, launch_options
+from hfpaged.model.custom_ops import inductor_options
+
+
+def test_setting_values_are_checked():
+    assert EngineConfig().dependent_launch is None
+    with pytest.raises(ValueError, match="dependent_launch must be True, False or None, got 'yes'"):
+        EngineConfig(dependent_launch="yes")
+
+
+def test_not_supported_off_cuda():
+    assert not dependent_launch_supported(torch.device("cpu"))
+    assert launch_options(False) == {} and launch_options(True) == {"launch_pdl": True}
+    assert inductor_options(False) == {}
+    has_pdl = hasattr(torch._inductor.config.triton, "enable_pdl")
+    assert inductor_options(True) == ({"triton.enable_pdl": True} if has_pdl else {})
+
+
+def test_default_is_off_where_unsupported_and_generation_is_exact():
+    model = make_model("llama")
+    prompts = random_prompts([5, 12, 3], seed=3)
+    hfpaged.patch(model, num_blocks=32, block_size=4, attention_backend="triton")
+    state = model._hfpaged
+    assert state.dependent_launch is False
+    store, attend = state.attention_functions()
+    assert store.keywords == {"launch_pdl": False} and attend.keywords == {"launch_pdl": False}
+    results = model.generate_many(prompts, max_new_tokens=6, do_sample=False)
+    assert [r.token_ids for r in results] == reference_generate(model, prompts, max_new_tokens=6, do_sample=False)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_required_where_unsupported_is_a_clear_error(backend):
+    model = make_model("llama")
+    prompts = random_prompts([4, 9], seed=4)
+    expected = reference_generate(model, prompts, max_new_tokens=5, do_sample=False)
+    pattern = "dependent_launch=True needs CUDA GPUs" if backend == "triton" else "attention_backend='torch'"
+    with pytest.raises(ValueError, match=pattern):
+        hfpaged.patch(model, num_blocks=32, block_size=4, attention_backend=backend, dependent_launch=True)
+    assert getattr(model, "_hfpaged", None) is None  # nothing attached
+    assert reference_generate(model, prompts, max_new_tokens=5, do_sample=False) == expected
+    hfpaged.patch(model, num_blocks=32, block_size=4, attention_backend=backend)  # still patchable
+    assert [r.token_ids for r in model.generate_many(prompts, max_new_tokens=5, do_sample=False)] == expected
+
+
+def test_default_policy_where_supported(monkeypatch):
+    # as on a Hopper GPU: the default turns it on, except for a tensor-parallel model (not yet run on two GPUs with
+    # it), where True still turns it on; False is off everywhere
+    from hfpaged.kernels import dependent_launch
+
+    monkeypatch.setattr(dependent_launch, "dependent_launch_supported", lambda device: True)
+    model = make_model("llama")
+    hfpaged.patch(model, num_blocks=32, block_size=4, attention_backend="triton")
+    state = model._hfpaged
+    assert state.dependent_launch is True
+    store, attend = state.attention_functions()
+    assert store.keywords == {"launch_pdl": True} and attend.keywords == {"launch_pdl": True}
+    state.tp = object()  # what a model sharded by transformers' tp_plan has
+    assert state.dependent_launch is False
+    monkeypatch.setattr(state.config, "dependent_launch", True)
+    assert state.dependent_launch is True
+    monkeypatch.setattr(state.config, "dependent_launch", False)
+    state.tp = None
+    assert state.dependent_launch is False
+    hfpaged.unpatch(model)
