@@ -65,7 +65,7 @@ def test_identical_layers_share_one_compiled_graph():
     blocks, others = custom_ops.compile_regions(model)
     assert blocks == list(model.model.layers)
     assert model.model.norm in others and model.model.embed_tokens not in others
-    assert _num_compiled(custom_ops._call_block) == 1  # six layers, one graph
+    assert _num_compiled(runner._compiled.block_function) == 1  # six layers, one graph
     assert all("forward" not in layer.__dict__ for layer in blocks + others)  # stock calls run uncompiled
 
 
@@ -104,8 +104,8 @@ def test_every_graph_bucket_shares_each_regions_graphs():
             compiled = runner._graph_forward(step, mixed=True)
             assert compiled.shape[0] == mixed.shape(bucket)[1]  # the sampled rows only
             torch.testing.assert_close(compiled, runner.forward(step), rtol=1e-4, atol=1e-4)
-    assert _num_compiled(custom_ops._call_block) == 1  # three layers, six buckets of two kinds
-    assert _num_compiled(custom_ops._call_other) == 2  # the final norm and the rotary embedding
+    assert _num_compiled(runner._compiled.block_function) == 1  # three layers, six buckets of two kinds
+    assert _num_compiled(runner._compiled.other_function) == 2  # the final norm and the rotary embedding
     assert counters["stats"]["unique_graphs"] == 3
     assert not counters["graph_break"]
 
@@ -118,9 +118,30 @@ def test_regional_compile_matches_stock_generate(arch, num_kinds):
     prompts = random_prompts([5, 9, 3], seed=2)
     expected = reference_generate(model, prompts, max_new_tokens=5, do_sample=False)
     assert len({tuple(e) for e in expected}) > 1 or len(set(expected[0])) > 1  # the continuation varies
-    generated, _ = compiled_decode(model, prompts, max_new_tokens=5)
+    generated, runner = compiled_decode(model, prompts, max_new_tokens=5)
     assert generated == expected
-    assert _num_compiled(custom_ops._call_block) == num_kinds
+    assert _num_compiled(runner._compiled.block_function) == num_kinds
+
+
+def test_each_compiled_forward_has_its_own_recompile_count(monkeypatch):
+    # dynamo counts compiled graphs per code object and, past config.recompile_limit, runs the code uncompiled
+    # without an error. Two models (or a model patched twice) each compile their own graphs: with the limit at 1,
+    # both engines below still compile (with one shared code object the second would run eager layers).
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    torch._dynamo.reset()
+    counters.clear()
+    prompts = random_prompts([5, 9], seed=5)
+    runners = []
+    for arch in ("llama", "qwen3"):
+        model = make_model(arch, num_hidden_layers=2)
+        expected = reference_generate(model, prompts, max_new_tokens=3, do_sample=False)
+        graphs_before = counters["stats"]["unique_graphs"]
+        generated, runner = compiled_decode(model, prompts, max_new_tokens=3)
+        assert generated == expected
+        assert counters["stats"]["unique_graphs"] >= graphs_before + 2  # its layers' graph and another region's
+        assert _num_compiled(runner._compiled.block_function) == 1
+        runners.append(runner._compiled)
+    assert runners[0].block_function.__code__ is not runners[1].block_function.__code__
 
 
 def test_stock_forward_after_compiled_step_is_unchanged():
@@ -144,9 +165,10 @@ def test_whole_model_fallback_without_a_layer_list(monkeypatch):
     model = make_model("llama")
     prompts = random_prompts([5, 3], seed=1)
     expected = reference_generate(model, prompts, max_new_tokens=2, do_sample=False)
-    generated, _ = compiled_decode(model, prompts, max_new_tokens=2)
+    generated, runner = compiled_decode(model, prompts, max_new_tokens=2)
     assert generated == expected
-    assert _num_compiled(custom_ops._call_block) == 0
+    assert _num_compiled(runner._compiled.block_function) == 0
+    assert _num_compiled(runner._compiled.whole_forward._torchdynamo_orig_callable) == 1
 
 
 def test_default_compile_falls_back_to_eager_layers_on_a_compile_error(monkeypatch, caplog):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -247,6 +248,19 @@ def _compiled_forwards(regions: list[tuple[torch.nn.Module, Callable]]) -> Itera
             module.__dict__.pop("forward", None)
 
 
+def _own_code(function: Callable) -> Callable:
+    """A copy of ``function`` whose code object is its own (equal to the original, not the same object)."""
+    copy = types.FunctionType(
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    copy.__qualname__, copy.__doc__ = function.__qualname__, function.__doc__
+    return copy
+
+
 def inductor_options(launch_pdl: bool) -> dict:
     """Inductor settings of the compiled layers: with ``launch_pdl`` its kernels use programmatic dependent launch
     too (each waits for the kernel before it only where it reads what that kernel wrote), where torch has it."""
@@ -267,9 +281,16 @@ class CompiledStepForward:
         self.launch_pdl = launch_pdl  # the Triton kernels' programmatic dependent launch (dependent_launch.py)
         self.regional = regional
         options = inductor_options(launch_pdl)
-        self.block_forward = torch.compile(_call_block, dynamic=True, options=options)
-        self.other_forward = torch.compile(_call_other, dynamic=True, options=options)
-        self.whole_forward = torch.compile(self._forward, dynamic=True, options=options)
+        # dynamo keeps compiled graphs, and counts recompiles against its limit (8), per code object: each
+        # compiled forward compiles copies with code of their own, so models and re-patches in one process never
+        # exhaust each other's count (past it dynamo runs the layers uncompiled, without an error)
+        self.block_function = _own_code(_call_block)
+        self.other_function = _own_code(_call_other)
+        self.block_forward = torch.compile(self.block_function, dynamic=True, options=options)
+        self.other_forward = torch.compile(self.other_function, dynamic=True, options=options)
+        self.whole_forward = torch.compile(
+            types.MethodType(_own_code(CompiledStepForward._forward), self), dynamic=True, options=options
+        )
 
     @torch.no_grad()
     def _forward(
