@@ -48,6 +48,7 @@ _UNSUPPORTED_ARGUMENTS = {
     "attention_mask": "it marks padding of a 2-D batch of prompt rows; give prompts unpadded otherwise",
     "inputs_embeds": "prompts must be token ids or strings",
     "past_key_values": "the paged KV cache is managed by hfpaged",
+    "cache": "the paged KV cache is managed by hfpaged",  # transformers 5.24's name for past_key_values
     "input_ids": "pass the prompts as the first argument",
     "inputs": "pass the prompts as the first argument",
 }

@@ -6,7 +6,14 @@ import warnings
 import pytest
 import torch
 from models import make_model, random_prompts, reference_generate
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    DynamicCache,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 import hfpaged
 
@@ -256,6 +263,8 @@ def test_max_time_stops_from_arrival(model, prompts):
         (dict(num_beams=2, return_logprobs=True), "return_logprobs with num_beams"),
         (dict(num_beams=4, num_beam_groups=2, diversity_penalty=0.5), "group beam search"),
         (dict(attention_mask=torch.ones(1, 5)), "attention_mask"),
+        (dict(past_key_values=DynamicCache()), "past_key_values= .the paged KV cache is managed by hfpaged"),
+        (dict(cache=DynamicCache()), "cache= .the paged KV cache is managed by hfpaged"),
         (dict(output_scores=True, return_dict_in_generate=True), "return_logprobs"),
         (dict(num_return_sequences=2), "Greedy methods .* .num_return_sequences. different than 1"),
         (
