@@ -44,6 +44,15 @@ def dependent_launch_supported(device: torch.device) -> bool:
     return _SUPPORTED[index]
 
 
+def check_launch_pdl(launch_pdl: bool, device: torch.device) -> None:
+    """Raise ValueError for ``launch_pdl=True`` where ``dependent_launch_supported`` says no."""
+    if launch_pdl and not dependent_launch_supported(device):
+        raise ValueError(
+            f"launch_pdl=True needs a CUDA GPU of compute capability 9.0 or newer and a Triton with grid dependency "
+            f"control; the tensors are on {device}{' (Triton interpreter)' if interpreting() else ''}"
+        )
+
+
 def launch_options(launch_pdl: bool) -> dict:
     """Triton launch options of a kernel compiled with ``USE_PDL=launch_pdl``."""
     return {"launch_pdl": True} if launch_pdl else {}

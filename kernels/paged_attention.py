@@ -32,7 +32,7 @@ from ._checks import (
 )
 from .attention_config import AttentionConfig, choose_config
 from .attention_kernel import _paged_attention_kernel
-from .dependent_launch import launch_options
+from .dependent_launch import check_launch_pdl, launch_options
 from .split_merge import _merge_splits_kernel
 
 LOG2E = 1.4426950408889634
@@ -214,6 +214,7 @@ def paged_attention(
     ``dependent_launch.py``; needs ``dependent_launch_supported``).
     """
     _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale)
+    check_launch_pdl(launch_pdl, q.device)
     if not scale > 0:
         raise ValueError(f"scale must be a positive float, got {scale!r}")
     num_tokens, num_heads, head_dim = q.shape

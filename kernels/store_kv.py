@@ -17,7 +17,7 @@ from ._checks import (
     launches_on_first_tensor_gpu,
     next_power_of_2,
 )
-from .dependent_launch import launch_options, wait_for_previous_kernel
+from .dependent_launch import check_launch_pdl, launch_options, wait_for_previous_kernel
 
 
 @triton.jit
@@ -126,6 +126,7 @@ def store_kv(
     fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
     check_devices(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    check_launch_pdl(launch_pdl, key.device)
     num_tokens, num_kv_heads, head_dim = key.shape
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
     check_dim("value", value, 0, num_tokens, "key.shape[0], the number of tokens")

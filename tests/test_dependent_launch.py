@@ -24,6 +24,24 @@ def test_not_supported_off_cuda():
     assert inductor_options(True) == ({"triton.enable_pdl": True} if has_pdl else {})
 
 
+def test_kernels_refuse_launch_pdl_where_unsupported():
+    from hfpaged.kernels import paged_attention, store_kv
+
+    cache = torch.zeros(4, 4, 1, 16)
+    key = torch.ones(2, 1, 16)
+    slots = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="launch_pdl=True needs a CUDA GPU of compute capability 9.0"):
+        store_kv(key, key, cache, cache.clone(), slots, launch_pdl=True)
+    assert cache.abs().sum() == 0  # nothing written
+    tables, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([6], dtype=torch.int32)
+    cu = torch.tensor([0, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="launch_pdl=True needs a CUDA GPU"):
+        paged_attention(torch.ones(2, 2, 16), cache, cache, tables, lens, cu, scale=0.25, launch_pdl=True)
+    store_kv(key, key, cache, cache.clone(), slots)  # the same calls without it run
+    out = paged_attention(torch.ones(2, 2, 16), cache, cache, tables, lens, cu, scale=0.25)
+    assert out.shape == (2, 2, 16) and not out.isnan().any()
+
+
 def test_default_is_off_where_unsupported_and_generation_is_exact():
     model = make_model("llama")
     prompts = random_prompts([5, 12, 3], seed=3)
