@@ -44,13 +44,20 @@ def dependent_launch_supported(device: torch.device) -> bool:
     return _SUPPORTED[index]
 
 
-def check_launch_pdl(launch_pdl: bool, device: torch.device) -> None:
-    """Raise ValueError for ``launch_pdl=True`` where ``dependent_launch_supported`` says no."""
-    if launch_pdl and not dependent_launch_supported(device):
-        raise ValueError(
-            f"launch_pdl=True needs a CUDA GPU of compute capability 9.0 or newer and a Triton with grid dependency "
-            f"control; the tensors are on {device}{' (Triton interpreter)' if interpreting() else ''}"
-        )
+def check_launch_pdl(launch_pdl: bool, device: torch.device, setting: str = "launch_pdl") -> None:
+    """Raise ValueError for ``launch_pdl=True`` where ``dependent_launch_supported`` says no (``setting``: the
+    argument's name in the message)."""
+    if not launch_pdl or dependent_launch_supported(device):
+        return
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        what = f"{torch.cuda.get_device_name(device)}, compute capability {major}.{minor}"
+    else:
+        what = "Triton interpreter" if interpreting() else "not a CUDA device"
+    raise ValueError(
+        f"{setting}=True needs a CUDA GPU of compute capability 9.0 or newer (Hopper on) and a Triton with grid "
+        f"dependency control; got {device} ({what}): leave {setting} off there"
+    )
 
 
 def launch_options(launch_pdl: bool) -> dict:

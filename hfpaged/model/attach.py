@@ -289,22 +289,12 @@ def _attach(
 def check_dependent_launch(layers: list[LayerRecord], attention_backend: str) -> None:
     """Raise ValueError unless every layer's device can run the Triton kernels with programmatic dependent launch
     (``dependent_launch=True`` asks for it; None takes it where it is supported)."""
-    from ..kernels.dependent_launch import dependent_launch_supported
+    from ..kernels.dependent_launch import check_launch_pdl
 
     if attention_backend == "torch":
         raise ValueError("dependent_launch=True applies to the Triton kernels; attention_backend='torch' runs none")
     for device in sorted({layer.device for layer in layers}, key=str):
-        if not dependent_launch_supported(device):
-            what = (
-                f"{torch.cuda.get_device_name(device)}, compute capability "
-                + ".".join(map(str, torch.cuda.get_device_capability(device)))
-                if device.type == "cuda"
-                else "not a CUDA device"
-            )
-            raise ValueError(
-                f"dependent_launch=True needs CUDA GPUs of compute capability 9.0 or newer (Hopper on) and a Triton "
-                f"with grid dependency control; a layer is on {device} ({what}). Use dependent_launch=None or False."
-            )
+        check_launch_pdl(True, device, "dependent_launch")
 
 
 def bind_caches(state: PatchState, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
