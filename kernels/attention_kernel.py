@@ -185,7 +185,7 @@ def _attend_tiles(
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "window"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "min_split_tiles", "split_target_programs", "window"])
 def _paged_attention_kernel(
     out_ptr,  # [T, num_heads, HEAD_DIM_V] (written when SPLIT is False)
     split_acc_ptr,  # [T, num_heads, num_splits, HEAD_DIM_V_PAD] fp32 (written when SPLIT)
@@ -201,6 +201,8 @@ def _paged_attention_kernel(
     v_scale_ptr,  # [1] fp32, read when KV_FP8
     num_seqs,
     num_splits,
+    min_split_tiles,  # SPLIT: a split covers at least this many tiles (short contexts use fewer splits)
+    split_target_programs,  # SPLIT, > 0: size splits so the batch's keys make about this many programs
     qk_scale,
     softcap,
     window,
@@ -266,16 +268,6 @@ def _paged_attention_kernel(
     q_pos = context_len + q_local
     token = (q_start + q_local).to(tl.int64)
 
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    q_mask = row_ok[:, None]
-    if HEAD_DIM_PAD != HEAD_DIM:
-        q_mask = q_mask & (offs_d < HEAD_DIM)[None, :]
-    q = tl.load(
-        q_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
-        mask=q_mask,
-        other=0.0,
-    )
-
     # Key range of this program: [kv_begin, kv_end); tiles in [full_begin, full_end) need no mask.
     q_first = context_len + q_block * BLOCK_Q
     q_last = context_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -289,11 +281,38 @@ def _paged_attention_kernel(
     tile_begin = kv_begin // TILE_N
     tile_end = tl.cdiv(kv_end, TILE_N)
     if SPLIT:
-        tiles_per_split = tl.cdiv(tile_end - tile_begin, num_splits)
+        # at least min_split_tiles per split: a context too short for num_splits of them leaves the last splits
+        # empty (the grid is fixed by host integers; the context length is only known here)
+        tiles_per_split = tl.maximum(tl.cdiv(tile_end - tile_begin, num_splits), min_split_tiles)
+        if split_target_programs > 0:
+            # equal-sized splits across the batch: the keys of all sequences (x KV heads) over the target number
+            # of programs, so long and short sequences alike finish together (no long tail of a few programs)
+            total_keys = 0
+            for chunk in range(0, tl.cdiv(num_seqs, SEARCH_BLOCK)):
+                b = chunk * SEARCH_BLOCK + tl.arange(0, SEARCH_BLOCK)
+                total_keys += tl.sum(tl.load(seq_lens_ptr + b, mask=b < num_seqs, other=0), 0)
+            keys_per_split = tl.cdiv(total_keys * (NUM_HEADS // GROUP), split_target_programs)
+            tiles_per_split = tl.maximum(tiles_per_split, tl.cdiv(keys_per_split, TILE_N))
         tile_begin = tile_begin + split * tiles_per_split
         tile_end = tl.minimum(tile_end, tile_begin + tiles_per_split)
+        if tile_begin >= tile_end:
+            # an empty split: its partial is "no keys" (the merge gives it weight 0 and skips its accumulator)
+            row = (token * NUM_HEADS + head) * num_splits + split
+            tl.store(split_max_ptr + row, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+            tl.store(split_sum_ptr + row, tl.zeros([BLOCK_M], tl.float32), mask=row_ok)
+            return
     full_tile_begin = tl.maximum(tl.minimum(tl.cdiv(full_begin, TILE_N), tile_end), tile_begin)
     full_tile_end = tl.maximum(tl.minimum((q_first + 1) // TILE_N, tile_end), full_tile_begin)
+
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    q_mask = row_ok[:, None]
+    if HEAD_DIM_PAD != HEAD_DIM:
+        q_mask = q_mask & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(
+        q_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
+        mask=q_mask,
+        other=0.0,
+    )
 
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)  # q . (k8 * k_scale) = (q . k8) * k_scale

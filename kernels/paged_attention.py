@@ -139,6 +139,8 @@ def paged_attention_with_config(
         v_scale if fp8 else seq_lens,
         num_seqs,
         config.num_splits,
+        config.min_split_tiles,
+        config.split_target_programs,
         float(scale) / float(softcap) if use_softcap else float(scale) * LOG2E,
         float(softcap) * LOG2E if use_softcap else 1.0,
         int(sliding_window) if use_window else 0,

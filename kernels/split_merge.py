@@ -33,7 +33,9 @@ def _merge_splits_kernel(
     weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits: exp2(-inf) = 0
     denom = tl.sum(sums * weight, 0)
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
-    acc = tl.load(split_acc_ptr + row[:, None] * HEAD_DIM_V_PAD + offs_dv[None, :], mask=split_ok[:, None], other=0.0)
+    # splits that saw no key (m = -inf: empty splits write no accumulator) are not read
+    acc_ok = split_ok & (m > float("-inf"))
+    acc = tl.load(split_acc_ptr + row[:, None] * HEAD_DIM_V_PAD + offs_dv[None, :], mask=acc_ok[:, None], other=0.0)
     out = tl.sum(acc * weight[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(
         out_ptr + token * stride_out_t + head * stride_out_h + offs_dv,

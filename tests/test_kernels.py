@@ -4,6 +4,8 @@ Without CUDA the kernels run in Triton's interpreter (fp32/fp16 only: bf16 is br
 small sizes; with CUDA the same cases also run in bf16, plus the `gpu`-marked large cases.
 """
 
+import importlib
+
 import pytest
 import torch
 
@@ -131,6 +133,102 @@ def test_paged_attention_matches_reference(case, dtype_override):
     for config in configs:
         out = paged_attention_with_config(**batch, **kwargs, config=config, out=poisoned_out(batch))
         assert_close(out, ref, dtype)
+
+
+class _NaNWorkspaceTorch:
+    """Stands in for ``torch`` in paged_attention.py: every torch.empty there (the split workspace) is NaN-filled,
+    so a partial the merge reads without the kernel having written it shows in the output."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        return torch.empty(*args, **kwargs).fill_(float("nan"))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_split_min_tiles_leaves_short_contexts_fewer_splits(case, monkeypatch):
+    # min_split_tiles > 1: a split covers at least that many tiles, so splits past a short context's keys are empty:
+    # they write only "no keys" (max -inf, sum 0) and the merge must not read their (unwritten) accumulators.
+    pa_module = importlib.import_module("hfpaged.kernels.paged_attention")  # the package exports the function
+
+    _, q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, window, softcap = case
+    batch = make_batch(
+        q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, dtype=dtype, table_tail="minus1" if CUDA else "poison",
+    )  # fmt: skip
+    kwargs = dict(scale=head_dim**-0.5, sliding_window=window, softcap=softcap)
+    ref = paged_attention_reference(**batch, **kwargs)
+    monkeypatch.setattr(pa_module, "torch", _NaNWorkspaceTorch())
+    # (splits, min tiles, target programs): with a target the splits are sized from the batch's total keys on the
+    # device (3 programs: about one split per sequence and KV head; 40: as many as the grid allows)
+    for splits, min_tiles, target in ((8, 2, 0), (5, 3, 0), (16, 1, 0), (3, 64, 0), (8, 1, 3), (6, 2, 40), (4, 1, 1)):
+        config = AttentionConfig(
+            16, 16, 4, 1, num_splits=splits, min_split_tiles=min_tiles, split_target_programs=target
+        )
+        out = paged_attention_with_config(**batch, **kwargs, config=config, out=poisoned_out(batch))
+        assert_close(out, ref, dtype)
+
+
+def test_mid_size_decode_batches_get_their_own_tiles_and_split_rule():
+    # attention_config.MID_BATCH_SPLITS: decode batches of 0.45-2 programs (sequences x KV heads) per SM; the CPU
+    # counts as a 4-SM GPU (so 2-8 programs)
+    from hfpaged.kernels import attention_config as ac
+
+    def decode(num_seqs, kv_elem_size=2, num_kv_heads=1, head_dim_pad=128):
+        return ac.choose_config(
+            num_tokens=num_seqs, num_seqs=num_seqs, num_kv_heads=num_kv_heads, group=2, head_dim_pad=head_dim_pad,
+            elem_size=2, kv_elem_size=kv_elem_size, max_seqlen_q=1, max_seqlen_k=8192, device=torch.device("cpu"),
+        )  # fmt: skip
+
+    bf16, fp8 = ac.MID_BATCH_SPLITS[2], ac.MID_BATCH_SPLITS[1]
+    mid = decode(4)
+    assert (mid.tile_n, mid.num_warps, mid.num_stages) == bf16[2]
+    assert mid.num_splits == ac.split_count(4, 8192, 4, bf16[3]) > 1
+    assert (mid.min_split_tiles, mid.split_target_programs) == (bf16[4], bf16[5] * 4)
+    mid8 = decode(4, kv_elem_size=1)
+    assert (mid8.tile_n, mid8.num_warps, mid8.num_stages) == fp8[2]
+    assert (mid8.min_split_tiles, mid8.split_target_programs) == (fp8[4], fp8[5] * 4)
+    assert decode(2, num_kv_heads=2) == mid  # programs, not sequences, pick the rule
+    # outside the range, and heads over 128 dims: the default tiles and split rule
+    for config, tiles in ((decode(1), ac.DECODE_TILES[2][0]), (decode(9), ac.DECODE_TILES[2][0]),
+                          (decode(4, head_dim_pad=256), ac.DECODE_TILES[2][1])):  # fmt: skip
+        assert (config.tile_n, config.num_warps, config.num_stages) == tiles
+        assert (config.min_split_tiles, config.split_target_programs) == (1, 0)
+    assert decode(1).num_splits == ac.split_count(1, 8192, 4)
+    assert decode(9).num_splits == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_warm_up_compiles_every_decode_variant(cache_dtype):
+    # After warm_up, decode batches of every size up to max_num_seqs (as the graphs meet them: the context hint is
+    # the whole graph width) compile no new paged_attention variant.
+    from hfpaged.kernels.attention_kernel import _paged_attention_kernel
+    from hfpaged.kernels.warmup import warm_up
+
+    num_heads, num_kv_heads, head_dim, max_num_seqs = 16, 8, 128, 48
+    k_cache = torch.zeros(2048, 16, num_kv_heads, head_dim, device="cuda", dtype=cache_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    scales = (torch.ones(1, device="cuda"), torch.ones(1, device="cuda")) if fp8 else None
+    warm_up(k_cache, v_cache, num_heads=num_heads, sliding_window=None, softcap=None, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=256, dtype=torch.bfloat16, kv_scales=scales)  # fmt: skip
+
+    def variants():
+        return sum(len(entry[0]) for entry in _paged_attention_kernel.device_caches.values())
+
+    before = variants()
+    extra = {"k_scale": scales[0], "v_scale": scales[1]} if fp8 else {}
+    for num_seqs in range(1, max_num_seqs + 1):
+        table = torch.arange(64, device="cuda", dtype=torch.int32).repeat(num_seqs, 1)
+        q = torch.randn(num_seqs, num_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        paged_attention(q, k_cache, v_cache, table, torch.full((num_seqs,), 1000, device="cuda", dtype=torch.int32),
+                        torch.arange(num_seqs + 1, device="cuda", dtype=torch.int32), scale=0.1, max_seqlen_q=1,
+                        max_seqlen_k=40960, **extra)  # fmt: skip
+    assert variants() == before
 
 
 # (block_size, head_dim, num_heads, num_kv_heads, dtype, window, softcap): every block size and
