@@ -1,0 +1,430 @@
+"""The paged-attention Triton kernel (see paged_attention.py for the wrapper and the design)."""
+
+import triton
+import triton.language as tl
+
+from .dependent_launch import wait_for_previous_kernel
+
+
+@triton.jit
+def _locate_sequence(
+    cu_seqlens_q_ptr, seq_lens_ptr, program, num_seqs, BLOCK_Q: tl.constexpr, SEARCH_BLOCK: tl.constexpr
+):
+    # -> (seq, q_start, q_end, seq_len) of the sequence owning this program. Sequence b's first
+    # program id is cu[b] // BLOCK_Q + b (cu[b] when BLOCK_Q == 1); these never decrease, so seq =
+    # (number of first ids <= program) - 1. With num_seqs + 1 <= SEARCH_BLOCK, one round trip of
+    # vector load of cu and three scalar loads answer everything; otherwise count chunk by chunk.
+    if num_seqs + 1 <= SEARCH_BLOCK:
+        b = tl.arange(0, SEARCH_BLOCK)
+        cu = tl.load(cu_seqlens_q_ptr + b, mask=b <= num_seqs, other=1 << 30)
+        if BLOCK_Q > 1:
+            first = cu // BLOCK_Q + b
+        else:
+            first = cu
+        seq = tl.sum((first <= program).to(tl.int32), 0) - 1
+        # the three values by address (cu's line is in L1 from the vector load): one cross-warp reduction, not four
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_end = tl.load(cu_seqlens_q_ptr + seq + 1)
+        seq_len = tl.load(seq_lens_ptr + seq)
+    else:
+        count = 0
+        for chunk in range(0, tl.cdiv(num_seqs, SEARCH_BLOCK)):
+            b = chunk * SEARCH_BLOCK + tl.arange(0, SEARCH_BLOCK)
+            first = tl.load(cu_seqlens_q_ptr + b, mask=b < num_seqs, other=1 << 30)
+            if BLOCK_Q > 1:
+                first = first // BLOCK_Q + b
+            count += tl.sum((first <= program).to(tl.int32), 0)
+        seq = count - 1
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_end = tl.load(cu_seqlens_q_ptr + seq + 1)
+        seq_len = tl.load(seq_lens_ptr + seq)
+    return seq, q_start, q_end, seq_len
+
+
+@triton.jit
+def _pow2_scale(q32, TARGET_EXP: tl.constexpr):
+    # The power of two that brings the largest finite |q| of the tile into [2^TARGET_EXP, 2^(TARGET_EXP + 1)) (1.0 for
+    # an all-zero tile); a power of two, so scaling rounds nothing. An inf/NaN element stays in its own row.
+    q_abs = tl.abs(q32)
+    q_max = tl.max(tl.max(tl.where(q_abs < float("inf"), q_abs, 0.0), 1), 0)
+    q_exp = (q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of q_max
+    mult_exp = tl.minimum(tl.maximum(254 + TARGET_EXP - q_exp, 1), 254)  # biased exponent of 2^(TARGET_EXP - (q_exp - 127))
+    return tl.where(q_max > 1e-30, (mult_exp << 23).to(tl.float32, bitcast=True), 1.0)
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    # x (fp32, |x| <= 448) rounded to the nearest e4m3 value (ties to even), still as fp32: normal values keep 3
+    # mantissa bits (carry into the exponent included), values under 2^-6 become multiples of 2^-9 (subnormals).
+    # Done by hand so that the later cast to fp8 is exact (Triton's CPU interpreter rounds fp32 -> fp8 wrongly
+    # when the rounding carries into the exponent).
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # drop 20 of 23 mantissa bits, round to nearest even
+    normal = bits.to(tl.float32, bitcast=True)
+    magic = 12582912.0 / 512.0  # 1.5 * 2^23 * 2^-9: adding and subtracting it rounds to a multiple of 2^-9
+    tiny = (x + magic) - magic
+    return tl.where(tl.abs(x) < 0.015625, tiny, normal)
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from exp2, saturating cleanly to +-1 for large |x| (no libdevice dependence).
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def _attend_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_lo,  # FP8_QK: the low part of q (q = q + q_lo, both fp8); unused otherwise
+    tile,
+    q_pos,  # [BLOCK_M] absolute position of each row's query
+    kv_end,  # keys at or past this position are never loaded
+    k_head_ptr,  # k_cache at this program's KV head
+    v_head_ptr,
+    block_table_row_ptr,  # [max_blocks] of this sequence
+    qk_scale,  # sm_scale * log2(e); with softcap: sm_scale / softcap
+    softcap,  # softcap * log2(e)
+    window,
+    stride_k_b,
+    stride_k_s,
+    stride_k_d,
+    stride_v_b,
+    stride_v_s,
+    stride_v_d,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    HEAD_DIM_V_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    FP8_QK: tl.constexpr,
+):
+    # One TILE_N-key step of the online softmax (log2 domain) for all rows of the program.
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    k_pos = tile * TILE_N + offs_n
+    if MASKED:
+        key_ok = k_pos < kv_end
+        block_ids = tl.load(block_table_row_ptr + k_pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    else:
+        block_ids = tl.load(block_table_row_ptr + k_pos // BLOCK_SIZE).to(tl.int64)
+    slot_in_block = k_pos % BLOCK_SIZE
+    k_ptrs = (
+        k_head_ptr + (block_ids * stride_k_b + slot_in_block * stride_k_s)[None, :] + offs_d[:, None] * stride_k_d
+    )  # [HEAD_DIM_PAD, TILE_N]
+    v_ptrs = (
+        v_head_ptr + (block_ids * stride_v_b + slot_in_block * stride_v_s)[:, None] + offs_dv[None, :] * stride_v_d
+    )  # [TILE_N, HEAD_DIM_V_PAD]
+    if MASKED:
+        k_mask = key_ok[None, :]
+        v_mask = key_ok[:, None]
+        if HEAD_DIM_PAD != HEAD_DIM:
+            k_mask = k_mask & (offs_d < HEAD_DIM)[:, None]
+        if HEAD_DIM_V_PAD != HEAD_DIM_V:
+            v_mask = v_mask & (offs_dv < HEAD_DIM_V)[None, :]
+        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    else:
+        if HEAD_DIM_PAD != HEAD_DIM:
+            k = tl.load(k_ptrs, mask=(offs_d < HEAD_DIM)[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        if HEAD_DIM_V_PAD != HEAD_DIM_V:
+            v = tl.load(v_ptrs, mask=(offs_dv < HEAD_DIM_V)[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+
+    # fp8 caches: dequantize on load (fp8 -> q's dtype is exact; the per-layer scales are folded into
+    # qk_scale and the final normalisation, so no full-precision copy of the cache exists anywhere)
+    if FP8_QK:
+        # fp8 K straight into fp8 MMAs (no conversion of K): q was split into two e4m3 parts, q = hi + lo
+        v = v.to(tl.float16)
+        s = tl.dot(q, k) + tl.dot(q_lo, k)  # [BLOCK_M, TILE_N] fp32
+    else:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N] fp32
+    if USE_SOFTCAP:
+        s = softcap * _tanh(s * qk_scale)  # already scaled, log2 domain
+        mult = 1.0
+    else:
+        mult = qk_scale  # folded into the exponent below (one FMA per score)
+    if MASKED:
+        allowed = k_pos[None, :] <= q_pos[:, None]
+        if USE_WINDOW:
+            allowed = allowed & ((q_pos[:, None] - k_pos[None, :]) < window)
+        s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * mult)
+    if MASKED:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet keep zero weight
+    else:
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s * mult - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # in-place accumulate
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_tiles(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_lo,
+    tile_begin,
+    tile_end,
+    q_pos,
+    kv_end,
+    k_head_ptr,
+    v_head_ptr,
+    block_table_row_ptr,
+    qk_scale,
+    softcap,
+    window,
+    stride_k_b,
+    stride_k_s,
+    stride_k_d,
+    stride_v_b,
+    stride_v_s,
+    stride_v_d,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    HEAD_DIM_V_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    FP8_QK: tl.constexpr,
+):
+    for tile in range(tile_begin, tile_end):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_lo, tile, q_pos, kv_end, k_head_ptr, v_head_ptr, block_table_row_ptr,
+            qk_scale, softcap, window, stride_k_b, stride_k_s, stride_k_d, stride_v_b, stride_v_s, stride_v_d,
+            HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_SIZE, TILE_N,
+            USE_SOFTCAP, USE_WINDOW, MASKED, DOT_PRECISION, FP8_QK,
+        )  # fmt: skip
+    return acc, m_i, l_i
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "min_split_tiles", "split_target_programs", "window"])
+def _paged_attention_kernel(
+    out_ptr,  # [T, num_heads, HEAD_DIM_V] (written when SPLIT is False)
+    split_acc_ptr,  # [T, num_heads, num_splits, HEAD_DIM_V_PAD] fp32 (written when SPLIT)
+    split_max_ptr,  # [T, num_heads, num_splits] fp32, log2 domain
+    split_sum_ptr,  # [T, num_heads, num_splits] fp32
+    q_ptr,  # [T, num_heads, HEAD_DIM]
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
+    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM_V]
+    block_tables_ptr,  # [B, max_blocks] int32
+    seq_lens_ptr,  # [B] int32
+    cu_seqlens_q_ptr,  # [B + 1] int32
+    k_scale_ptr,  # [1] fp32, read when KV_FP8: key = cache value * k_scale
+    v_scale_ptr,  # [1] fp32, read when KV_FP8
+    num_seqs,
+    num_splits,
+    min_split_tiles,  # SPLIT: a split covers at least this many tiles (short contexts use fewer splits)
+    split_target_programs,  # SPLIT, > 0: size splits so the batch's keys make about this many programs
+    qk_scale,
+    softcap,
+    window,
+    stride_q_t,
+    stride_q_h,
+    stride_q_d,
+    stride_k_b,
+    stride_k_s,
+    stride_k_h,
+    stride_k_d,
+    stride_v_b,
+    stride_v_s,
+    stride_v_h,
+    stride_v_d,
+    stride_bt_b,
+    stride_out_t,
+    stride_out_h,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    HEAD_DIM_V_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    FP8_DOT_F16: tl.constexpr = True,  # fp8 caches with bf16 queries: dots in fp16 (False: upcast K/V to bf16)
+    FP8_QK: tl.constexpr = False,  # e4m3 caches, 16-bit queries: q.K^T as two fp8 MMAs (q split hi + lo)
+    USE_PDL: tl.constexpr = False,  # programmatic dependent launch (dependent_launch.py)
+):
+    program = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # the sequence lookup reads step inputs only: it may overlap the previous kernel (store_kv); q and the caches
+    # are read after the wait
+    seq, q_start, q_end, seq_len = _locate_sequence(
+        cu_seqlens_q_ptr, seq_lens_ptr, program, num_seqs, BLOCK_Q, SEARCH_BLOCK
+    )
+    wait_for_previous_kernel(USE_PDL)
+    q_len = q_end - q_start
+    if BLOCK_Q > 1:
+        # Last query block first: the heaviest causal blocks start early, the light ones fill the tail.
+        num_q_blocks = tl.cdiv(q_len, BLOCK_Q)
+        q_block = num_q_blocks - 1 - (program - (q_start // BLOCK_Q + seq))
+        if q_block < 0:
+            return
+    else:
+        q_block = program - q_start
+    context_len = seq_len - q_len
+
+    # Rows: BLOCK_Q query positions x GROUP heads (padding rows past BLOCK_Q * GROUP or q_len).
+    offs_m = tl.arange(0, BLOCK_M)
+    q_local = q_block * BLOCK_Q + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (q_local < q_len)
+    q_pos = context_len + q_local
+    token = (q_start + q_local).to(tl.int64)
+
+    # Key range of this program: [kv_begin, kv_end); tiles in [full_begin, full_end) need no mask.
+    q_first = context_len + q_block * BLOCK_Q
+    q_last = context_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
+    kv_end = q_last + 1
+    if USE_WINDOW:
+        kv_begin = tl.maximum(q_first - window + 1, 0)
+        full_begin = tl.maximum(q_last - window + 1, 0)
+    else:
+        kv_begin = 0
+        full_begin = 0
+    tile_begin = kv_begin // TILE_N
+    tile_end = tl.cdiv(kv_end, TILE_N)
+    if SPLIT:
+        # at least min_split_tiles per split: a context too short for num_splits of them leaves the last splits
+        # empty (the grid is fixed by host integers; the context length is only known here)
+        tiles_per_split = tl.maximum(tl.cdiv(tile_end - tile_begin, num_splits), min_split_tiles)
+        if split_target_programs > 0:
+            # equal-sized splits across the batch: the keys of all sequences (x KV heads) over the target number
+            # of programs, so long and short sequences alike finish together (no long tail of a few programs)
+            total_keys = 0
+            for chunk in range(0, tl.cdiv(num_seqs, SEARCH_BLOCK)):
+                b = chunk * SEARCH_BLOCK + tl.arange(0, SEARCH_BLOCK)
+                total_keys += tl.sum(tl.load(seq_lens_ptr + b, mask=b < num_seqs, other=0), 0)
+            keys_per_split = tl.cdiv(total_keys * (NUM_HEADS // GROUP), split_target_programs)
+            tiles_per_split = tl.maximum(tiles_per_split, tl.cdiv(keys_per_split, TILE_N))
+        tile_begin = tile_begin + split * tiles_per_split
+        tile_end = tl.minimum(tile_end, tile_begin + tiles_per_split)
+        if tile_begin >= tile_end:
+            # an empty split: its partial is "no keys" (the merge gives it weight 0 and skips its accumulator)
+            row = (token * NUM_HEADS + head) * num_splits + split
+            tl.store(split_max_ptr + row, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
+            tl.store(split_sum_ptr + row, tl.zeros([BLOCK_M], tl.float32), mask=row_ok)
+            return
+    full_tile_begin = tl.maximum(tl.minimum(tl.cdiv(full_begin, TILE_N), tile_end), tile_begin)
+    full_tile_end = tl.maximum(tl.minimum((q_first + 1) // TILE_N, tile_end), full_tile_begin)
+
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    q_mask = row_ok[:, None]
+    if HEAD_DIM_PAD != HEAD_DIM:
+        q_mask = q_mask & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(
+        q_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :] * stride_q_d,
+        mask=q_mask,
+        other=0.0,
+    )
+
+    q_lo = q
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)  # q . (k8 * k_scale) = (q . k8) * k_scale
+        # fp8 -> fp16 is exact and costs one conversion per two values; fp8 -> bf16 goes through fp16 and costs
+        # three (the conversion pipe, not HBM, then bounds the loop). So with bf16 queries both dots run in fp16:
+        # q is scaled into fp16's range once per program by a power of two (largest |q| -> [2^13, 2^14)), so every
+        # bf16 element is exact in fp16 (3 more mantissa bits; only elements 2^-27 below the largest underflow),
+        # the factor folded into qk_scale; P (in [0, 1]) is cast to fp16 for PV. (A non-power-of-two factor
+        # rounded q: ~1% weight errors on peaked softmaxes.) FP8_QK instead scales the largest |q| into
+        # [2^7, 2^8) (e4m3 holds 448) and splits q = hi + lo, both e4m3, so q.K^T runs as two fp8 MMAs on the
+        # cache's bytes with no conversion of K; hi + lo keeps ~8 significant bits (bf16 has 8) of every element
+        # down to 2^-17 of the largest.
+        if FP8_QK:
+            q32 = q.to(tl.float32)
+            q_mult = _pow2_scale(q32, 7)
+            q_scaled = q32 * q_mult
+            q_hi32 = _round_to_e4m3(q_scaled)
+            q = q_hi32.to(tl.float8e4nv)
+            q_lo = _round_to_e4m3(q_scaled - q_hi32).to(tl.float8e4nv)
+            qk_scale = qk_scale / q_mult
+        elif FP8_DOT_F16:  # noqa: SIM102 (two compile-time conditions; kept apart for Triton)
+            if q_ptr.dtype.element_ty == tl.bfloat16:
+                q32 = q.to(tl.float32)
+                q_mult = _pow2_scale(q32, 13)
+                q = (q32 * q_mult).to(tl.float16)
+                qk_scale = qk_scale / q_mult
+    k_head_ptr = k_cache_ptr + kv_head * stride_k_h
+    v_head_ptr = v_cache_ptr + kv_head * stride_v_h
+    block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_b
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if USE_WINDOW:  # without a window nothing below the causal range is masked: [tile_begin, full_tile_begin) is empty
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, q_lo, tile_begin, full_tile_begin, q_pos, kv_end, k_head_ptr, v_head_ptr,
+            block_table_row_ptr, qk_scale, softcap, window,
+            stride_k_b, stride_k_s, stride_k_d, stride_v_b, stride_v_s, stride_v_d,
+            HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_SIZE, TILE_N,
+            USE_SOFTCAP, USE_WINDOW, True, DOT_PRECISION, FP8_QK,
+        )  # fmt: skip
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, q_lo, full_tile_begin, full_tile_end, q_pos, kv_end, k_head_ptr, v_head_ptr,
+        block_table_row_ptr, qk_scale, softcap, window,
+        stride_k_b, stride_k_s, stride_k_d, stride_v_b, stride_v_s, stride_v_d,
+        HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_SIZE, TILE_N,
+        USE_SOFTCAP, USE_WINDOW, False, DOT_PRECISION, FP8_QK,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, q_lo, full_tile_end, tile_end, q_pos, kv_end, k_head_ptr, v_head_ptr,
+        block_table_row_ptr, qk_scale, softcap, window,
+        stride_k_b, stride_k_s, stride_k_d, stride_v_b, stride_v_s, stride_v_d,
+        HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_SIZE, TILE_N,
+        USE_SOFTCAP, USE_WINDOW, True, DOT_PRECISION, FP8_QK,
+    )  # fmt: skip
+
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)  # sum p * (v8 * v_scale): the partial sums l_i are unaffected
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    if SPLIT:
+        row = (token * NUM_HEADS + head) * num_splits + split  # [BLOCK_M] int64
+        tl.store(split_acc_ptr + row[:, None] * HEAD_DIM_V_PAD + offs_dv[None, :], acc, mask=row_ok[:, None])
+        tl.store(split_max_ptr + row, m_i, mask=row_ok)
+        tl.store(split_sum_ptr + row, l_i, mask=row_ok)
+    else:
+        _store_rows(out_ptr, acc, l_i, token, head, row_ok, stride_out_t, stride_out_h, HEAD_DIM_V, HEAD_DIM_V_PAD)
+
+
+@triton.jit
+def _store_rows(out_ptr, acc, l_i, token, head, row_ok, stride_out_t, stride_out_h, HEAD_DIM_V: tl.constexpr,
+                HEAD_DIM_V_PAD: tl.constexpr):  # fmt: skip
+    # Normalise and write the valid rows of a [BLOCK_M, HEAD_DIM_V_PAD] accumulator.
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out_mask = row_ok[:, None]
+    if HEAD_DIM_V_PAD != HEAD_DIM_V:
+        out_mask = out_mask & (offs_dv < HEAD_DIM_V)[None, :]
+    out_ptrs = out_ptr + token[:, None] * stride_out_t + head[:, None] * stride_out_h + offs_dv[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
