@@ -200,6 +200,40 @@ def test_mid_size_decode_batches_get_their_own_tiles_and_split_rule():
     assert decode(9).num_splits == 1
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["16bit", "fp8"])
+def test_mid_size_decode_batch_through_paged_attention(fp8):
+    # A decode batch of ~1 program per SM (the CPU counts as 4 SMs) through the public paged_attention: the
+    # MID_BATCH_SPLITS tile, several splits sized on the device from the batch's keys, contexts from 40 to 700 keys
+    # (the short ones leave splits empty), against the reference; 16-bit queries (fp16 on the CPU, bf16 on CUDA)
+    # over a 16-bit or an e4m3 cache.
+    from hfpaged.kernels import attention_config as ac
+
+    dtype = torch.bfloat16 if CUDA else torch.float16
+    num_kv_heads = 8 if CUDA else 2
+    num_seqs = max(2, ac._sm_count(DEVICE) // num_kv_heads)
+    seq_lens = torch.randint(40, 701, (num_seqs,), generator=torch.Generator().manual_seed(3)).tolist()
+    batch = make_batch([1] * num_seqs, seq_lens, num_heads=2 * num_kv_heads, num_kv_heads=num_kv_heads, head_dim=64,
+                       block_size=16, dtype=dtype, table_tail="minus1")  # fmt: skip
+    hints = dict(max_seqlen_q=1, max_seqlen_k=max(seq_lens))
+    config = ac.choose_config(
+        num_tokens=num_seqs, num_seqs=num_seqs, num_kv_heads=num_kv_heads, group=2, head_dim_pad=64, elem_size=2,
+        kv_elem_size=1 if fp8 else 2, device=DEVICE, **hints,
+    )  # fmt: skip
+    rule = ac.MID_BATCH_SPLITS[1 if fp8 else 2]
+    assert (config.tile_n, config.num_warps, config.num_stages) == rule[2] and config.num_splits > 1
+    assert config.min_split_tiles == rule[4] and config.split_target_programs == rule[5] * ac._sm_count(DEVICE)
+    kwargs = dict(scale=0.125)
+    if fp8:
+        scale = torch.tensor([0.02], device=DEVICE)
+        for name in ("k_cache", "v_cache"):  # NaN slots stay NaN in e4m3: any read of them still shows
+            batch[name] = (batch[name].float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        kwargs.update(k_scale=scale, v_scale=scale)
+        ref = paged_attention_reference(**dict(batch, q=batch["q"].double()), **kwargs).to(dtype)
+    else:
+        ref = paged_attention_reference(**batch, **kwargs)
+    assert_close(paged_attention(**batch, **kwargs, **hints), ref, dtype)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
