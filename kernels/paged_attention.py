@@ -78,6 +78,32 @@ def search_block(num_seqs: int) -> int:
     return 64 if num_seqs < 64 else (256 if num_seqs < 256 else 1024)
 
 
+def config_for_batch(
+    num_tokens: int,
+    num_seqs: int,
+    num_heads: int,
+    q_dtype: torch.dtype,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+) -> AttentionConfig:
+    """The tile config ``paged_attention`` launches for a batch of this shape (the warm-up compiles by it too)."""
+    num_kv_heads = k_cache.shape[2]
+    return choose_config(
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        num_kv_heads=num_kv_heads,
+        group=num_heads // num_kv_heads,
+        head_dim_pad=next_power_of_2(max(k_cache.shape[3], v_cache.shape[3])),
+        elem_size=q_dtype.itemsize,
+        kv_elem_size=k_cache.element_size(),
+        max_seqlen_q=max(1, max_seqlen_q),
+        max_seqlen_k=max_seqlen_k,
+        device=k_cache.device,
+    )
+
+
 @launches_on_first_tensor_gpu
 def paged_attention_with_config(
     q: torch.Tensor,
@@ -219,8 +245,7 @@ def paged_attention(
     check_launch_pdl(launch_pdl, q.device)
     if not scale > 0:
         raise ValueError(f"scale must be a positive float, got {scale!r}")
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_tokens, num_heads = q.shape[0], q.shape[1]
     num_seqs = seq_lens.shape[0]
     if max_seqlen_q is None or max_seqlen_k is None:
         # No hints: read them off the device (one sync), and check the packing while at it.
@@ -234,18 +259,7 @@ def paged_attention(
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise TypeError(f"{name} must be a non-negative host int, got {value!r}")
-    config = choose_config(
-        num_tokens=num_tokens,
-        num_seqs=num_seqs,
-        num_kv_heads=num_kv_heads,
-        group=num_heads // num_kv_heads,
-        head_dim_pad=next_power_of_2(max(head_dim, v_cache.shape[3])),
-        elem_size=q.element_size(),
-        kv_elem_size=k_cache.element_size(),
-        max_seqlen_q=max(1, max_seqlen_q),
-        max_seqlen_k=max_seqlen_k,
-        device=q.device,
-    )
+    config = config_for_batch(num_tokens, num_seqs, num_heads, q.dtype, k_cache, v_cache, max_seqlen_q, max_seqlen_k)
     return paged_attention_with_config(
         q,
         k_cache,

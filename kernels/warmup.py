@@ -14,9 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ._checks import cdiv, next_power_of_2
-from .attention_config import choose_config
-from .paged_attention import SEARCH_BLOCK_SEQ_COUNTS, paged_attention, search_block
+from ._checks import cdiv
+from .paged_attention import SEARCH_BLOCK_SEQ_COUNTS, config_for_batch, paged_attention, search_block
 from .store_kv import store_kv
 
 QUERY_LENGTHS = (1, 2, 4, 8, 16, 32, 64, 256, 2048)
@@ -64,15 +63,14 @@ def warm_up(
         for num_seqs in seq_counts:
             shapes.add((q_len,) * num_seqs)
             shapes.add((q_len,) + (1,) * (num_seqs - 1))
+
+    def context_for(max_q: int) -> int:
+        return min(max(max_q, 4096), capacity)
+
     # decode batches whose size picks a tile of its own (attention_config.MID_BATCH_SPLITS): one batch per variant
-    head_dim_pad = next_power_of_2(max(head_dim, v_cache.shape[3]))
     variants = set()
     for num_seqs in range(1, max_num_seqs + 1):
-        config = choose_config(
-            num_tokens=num_seqs, num_seqs=num_seqs, num_kv_heads=num_kv_heads, group=num_heads // num_kv_heads,
-            head_dim_pad=head_dim_pad, elem_size=dtype.itemsize, kv_elem_size=k_cache.element_size(), max_seqlen_q=1,
-            max_seqlen_k=min(4096, capacity), device=device,
-        )  # fmt: skip
+        config = config_for_batch(num_seqs, num_seqs, num_heads, dtype, k_cache, v_cache, 1, context_for(1))
         key = (config.tile_n, config.num_warps, config.num_stages, config.num_splits > 1, search_block(num_seqs))
         if key not in variants:
             variants.add(key)
@@ -80,7 +78,7 @@ def warm_up(
     todo = []
     for q_lens in sorted(shapes):
         max_q, num_seqs, num_tokens = max(q_lens), len(q_lens), sum(q_lens)
-        context = min(max(max_q, 4096), capacity)
+        context = context_for(max_q)
         if max_q > context or num_tokens > budget:
             continue
         todo.append((q_lens, context))
