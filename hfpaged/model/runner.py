@@ -25,6 +25,7 @@ import torch
 from ..core.block_pool import cdiv
 from ..core.scheduler_output import SchedulerOutput
 from ..sampling.sampler import Sampler, StepResult
+from . import dense_prefill
 from .attention import PagedStep, eval_mode, paged_forward
 from .cuda_graphs import StepGraphs
 from .fused_projections import fused_step
@@ -74,6 +75,10 @@ class ModelRunner:
         self.capture_seconds = {"decode": 0.0, "mixed": 0.0}  # graph capture wall time, compiles included
         self.num_graph_steps = 0
         self.num_eager_steps = 0
+        self.num_dense_steps = 0  # eager steps (of those) with chunks attended through SDPA (dense_prefill.py)
+        self.dense_min_tokens = dense_prefill.resolve_min_tokens(
+            state.config.dense_prefill_tokens, self.device, [layer.dtype for layer in state.layers]
+        )
 
     @property
     def model(self) -> torch.nn.Module:
@@ -123,7 +128,8 @@ class ModelRunner:
 
     def _forward_step(self, out: SchedulerOutput) -> tuple[torch.Tensor, HostStep, torch.Tensor | None]:
         """(logits of the sampled rows, the host step, their argmax where a CUDA graph computed it)."""
-        graphs, bucket = self._graphs_for(out)
+        dense = dense_prefill.plan(out.scheduled, self.dense_min_tokens)
+        graphs, bucket = (None, None) if dense else self._graphs_for(out)
         if graphs is not None:
             # the step's own (padded) table width: the graph reads only the [R, width] corner it is given
             host = self.batch.pack(out.scheduled, self.previous, pad_to=graphs.shape(bucket))
@@ -143,8 +149,13 @@ class ModelRunner:
             # device, so the indices go as a list of ints, which indexes a tensor on any device.
             keep = step.logits_indices.tolist()
         self.num_eager_steps += 1
+        self.num_dense_steps += bool(dense)
         calibrate = self.state.calibration_pending  # fp8 scales from the first step that stores K/V
-        logits = self.forward(step, logits_indices=keep, calibrate=calibrate)
+        if dense and self.use_graphs and self.compile and not calibrate:
+            # the graphs' compiled layers, run outside a graph: a plan's step has no graph of its shape
+            logits = self._graph_forward(step, mixed=True, dense=dense)
+        else:
+            logits = self.forward(step, logits_indices=keep, calibrate=calibrate, dense=dense)
         self.state.calibration_pending = False
         return logits, host, None
 
@@ -188,10 +199,15 @@ class ModelRunner:
             yield
 
     def forward(
-        self, step: DeviceStep, logits_indices: torch.Tensor | list[int] | int | None = None, calibrate: bool = False
+        self,
+        step: DeviceStep,
+        logits_indices: torch.Tensor | list[int] | int | None = None,
+        calibrate: bool = False,
+        dense: list | None = None,
     ) -> torch.Tensor:
-        """The unmodified model over a packed step with paged attention; logits ``[n, vocab]``."""
-        context = PagedStep(step.metadata, self.store_fn, self.attention_fn, calibrate)
+        """The unmodified model over a packed step with paged attention; logits ``[n, vocab]``. ``dense``: the
+        step's ``dense_prefill.plan``."""
+        context = PagedStep(step.metadata, self.store_fn, self.attention_fn, calibrate, dense or [])
         keep = step.logits_indices if logits_indices is None else logits_indices
         kwargs = {"logits_to_keep": keep} if self.supports_logits_to_keep else {}
         with self._model_step():
@@ -244,12 +260,12 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         self.warmup_seconds = time.perf_counter() - start
 
-    def _graph_forward(self, step: DeviceStep, mixed: bool = False) -> torch.Tensor:
+    def _graph_forward(self, step: DeviceStep, mixed: bool = False, dense: list | None = None) -> torch.Tensor:
         """The forward a CUDA graph captures: decode (every row sampled) or mixed (``step.logits_indices``), with
-        compiled layers unless compile is off."""
+        compiled layers unless compile is off. ``dense`` (a step run outside the graphs): its dense_prefill plan."""
         eager_keep = None if mixed else 0  # 0: every token of a decode batch is sampled
         if not self.compile:
-            return self.forward(step, logits_indices=eager_keep)
+            return self.forward(step, logits_indices=eager_keep, dense=dense)
         if self._compiled is None:
             self._compiled = self._compile_step_forward()
         meta = step.metadata  # reaches the attention as forward kwargs: no step context needed
@@ -266,6 +282,7 @@ class ModelRunner:
                     meta.cu_seqlens_q,
                     max_seqlen_q=meta.max_seqlen_q,
                     logits_indices=step.logits_indices if mixed else None,
+                    dense_plan=dense_prefill.encode(dense) if dense else None,
                 )
         except Exception as error:
             # compile by default (None) must not cost a model that torch.compile cannot take its graphs: a
@@ -279,7 +296,7 @@ class ModelRunner:
             )
             self.compile = False
             self._compiled = None
-            return self.forward(step, logits_indices=eager_keep)
+            return self.forward(step, logits_indices=eager_keep, dense=dense)
         if self._compile_cache is not None and not capturing:
             self._compile_cache.save()  # writes only when this forward compiled something the file lacks
         return logits

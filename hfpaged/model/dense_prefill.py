@@ -1,0 +1,159 @@
+"""Long prefill chunks through torch's ``scaled_dot_product_attention`` instead of the paged kernel.
+
+Why: the attention of a long prompt is compute-bound, and on Hopper cuDNN's fused attention (what SDPA picks for
+16-bit inputs) runs it at ~1.7-1.8x the FLOP rate of our Triton prefill tiles, which gather keys through the block
+table (notes/kernels.md: 54-60% of cuDNN at 1-8k tokens). vLLM does the same: FlashAttention for prefill, its
+paged kernels for the rest. Decode rows and short chunks keep the paged kernel (SDPA has no paged keys, and one
+call per sequence costs host time that short chunks do not pay back).
+
+A step's *plan* names, on the host, the sequences whose query chunk is at least ``min_tokens`` long: entries
+``(b, q_start, context, length)`` (sequence index, first token row, keys before the chunk, chunk length). For each
+layer the keys of such a sequence are its whole context plus the chunk: the chunk's own keys as the layer computed
+them (16-bit caches: the cache holds the same values) or, for fp8 caches and for the context, read back from the
+cache (dequantized: the same values the paged kernel would read). SDPA's ``is_causal`` aligns the mask top-left,
+so a chunk with context runs with ``context`` zero query rows in front (their outputs are dropped); a plan takes
+such a chunk only while that padding costs at most ``MAX_PADDED_COST`` times the chunk's own attention.
+
+The paged kernel then runs over the step with the planned sequences' ``seq_lens`` set to 0, which it skips (their
+rows are not written, see ``kernels/paged_attention.py``), and the SDPA outputs fill those rows. Steps with a plan
+run outside the CUDA graphs (their shape is the plan), with the compiled layers where the graphs use them: the plan
+reaches the attention as a CPU tensor (fixed size, so one compiled graph serves planned and graph steps alike).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.block_pool import cdiv
+from ..kernels.reference import dequantize
+
+DEFAULT_MIN_TOKENS = 1024  # CUDA, 16-bit models: from 1k tokens on cuDNN is ~1.8x our prefill tiles
+MAX_SEQS = 8  # planned sequences per step (one SDPA launch per layer each); the rest stay paged
+MAX_PADDED_COST = 1.5  # (context + chunk)^2 / (2 context chunk + chunk^2): padding rows in front of a chunk
+_FIELDS = 4  # b, q_start, context, length
+
+Entry = tuple[int, int, int, int]
+
+
+def resolve_min_tokens(setting: int | None, device: torch.device, dtypes: list[torch.dtype]) -> int:
+    """The engine's threshold: ``setting`` if given (0: off); None: ``DEFAULT_MIN_TOKENS`` on CUDA when every
+    layer computes in 16 bits (cuDNN/FlashAttention need them), otherwise off."""
+    if setting is not None:
+        return setting
+    if device.type == "cuda" and dtypes and all(d in (torch.float16, torch.bfloat16) for d in dtypes):
+        return DEFAULT_MIN_TOKENS
+    return 0
+
+
+def plan(scheduled, min_tokens: int) -> list[Entry]:
+    """The sequences of a step (``ScheduledRequest``s in batch order) whose chunk attends through SDPA."""
+    entries: list[Entry] = []
+    if min_tokens <= 0:
+        return entries
+    q_start = 0
+    for b, request in enumerate(scheduled):
+        length, context = request.num_tokens, request.start
+        padded_cost_ok = (context + length) ** 2 <= MAX_PADDED_COST * (2 * context * length + length * length)
+        if length >= min_tokens and len(entries) < MAX_SEQS and padded_cost_ok:
+            entries.append((b, q_start, context, length))
+        q_start += length
+    return entries
+
+
+def encode(entries: list[Entry]) -> torch.Tensor:
+    """``entries`` as the fixed-size CPU tensor the compiled layers carry (``[count, b, q_start, ctx, len, ...]``)."""
+    if len(entries) > MAX_SEQS:
+        raise ValueError(f"a dense prefill plan holds at most {MAX_SEQS} sequences, got {len(entries)}")
+    flat = [len(entries)] + [v for entry in entries for v in entry]
+    flat += [0] * (1 + _FIELDS * MAX_SEQS - len(flat))
+    return torch.tensor(flat, dtype=torch.int64)
+
+
+def empty_plan() -> torch.Tensor:
+    return encode([])
+
+
+def decode(plan_tensor: torch.Tensor | None) -> list[Entry]:
+    if plan_tensor is None:
+        return []
+    flat = plan_tensor.tolist()  # a CPU tensor: no device sync
+    return [tuple(flat[1 + _FIELDS * i : 1 + _FIELDS * (i + 1)]) for i in range(flat[0])]
+
+
+def applies(entries: list[Entry], sliding_window, softcap, head_dim: int, head_dim_v: int) -> bool:
+    """Whether this layer can take the plan (SDPA has no softcap; windows and unequal K/V widths stay paged)."""
+    return bool(entries) and not sliding_window and not softcap and head_dim == head_dim_v
+
+
+def _cache_rows(cache: torch.Tensor, block_tables: torch.Tensor, b: int, num_keys: int) -> torch.Tensor:
+    """The first ``num_keys`` cached rows ``[num_keys, kv_heads, D]`` of sequence ``b`` (raw cache dtype)."""
+    block_size = cache.shape[1]
+    blocks = block_tables[b, : cdiv(num_keys, block_size)].long()
+    raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache  # fp8 gathers as bytes (CPU has no fp8)
+    rows = raw.index_select(0, blocks).reshape(-1, *cache.shape[2:])[:num_keys]
+    return rows.view(cache.dtype)
+
+
+def _keys(cache, chunk, block_tables, b, context, scale, dtype) -> torch.Tensor:
+    """``[context + length, kv_heads, D]`` keys (or values) of sequence ``b`` in ``dtype``."""
+    length = chunk.shape[0]
+    if cache.element_size() == 1:  # fp8: every key as the cache holds it (the chunk was stored before)
+        return dequantize(_cache_rows(cache, block_tables, b, context + length), scale).to(dtype)
+    if context == 0:
+        return chunk
+    return torch.cat([_cache_rows(cache, block_tables, b, context).to(dtype), chunk.to(dtype)])
+
+
+def attend(
+    entries: list[Entry],
+    paged_fn,
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    **paged_kwargs,
+) -> torch.Tensor:
+    """Attention of a step whose planned sequences go through SDPA (after ``store_kv`` stored the step's keys);
+    q ``[T, heads, D]``, key/value ``[T, kv_heads, D]`` -> ``[T, heads, D]``."""
+    num_heads, num_kv_heads = q.shape[1], key.shape[1]
+    if len(entries) == seq_lens.shape[0]:  # every sequence planned: nothing for the paged kernel
+        out = q.new_empty(q.shape[0], num_heads, v_cache.shape[-1])
+    else:
+        planned = torch.tensor([entry[0] for entry in entries], dtype=torch.long).to(seq_lens.device)
+        out = paged_fn(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens.index_fill(0, planned, 0),  # seq_len 0: the kernel skips the sequence
+            cu_seqlens_q,
+            scale=scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            **paged_kwargs,
+        )
+    for b, q_start, context, length in entries:
+        rows = slice(q_start, q_start + length)
+        queries = q[rows]
+        if context:  # bottom-right causal alignment: zero queries in front of the chunk
+            queries = torch.cat([queries.new_zeros(context, *queries.shape[1:]), queries])
+        keys = _keys(k_cache, key[rows], block_tables, b, context, k_scale, q.dtype)
+        values = _keys(v_cache, value[rows], block_tables, b, context, v_scale, q.dtype)
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            queries.transpose(0, 1).unsqueeze(0),  # [1, heads, keys, D] views of the packed rows
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        out[rows] = attended[0, :, context:].transpose(0, 1)
+    return out
