@@ -39,7 +39,7 @@ class EngineConfig:
     fuse_projections: bool | None = None  # q/k/v and gate/up as one GEMM each in paged steps (weights moved into
     # one buffer per group, no copy); None: on for layers on CUDA devices only; False: off (unfused, exact)
     dense_prefill_tokens: int | None = None  # prefill chunks of at least this many tokens attend through torch's
-    # scaled_dot_product_attention (cuDNN / FlashAttention on CUDA) instead of the paged kernel; None: 1024 on CUDA
+    # scaled_dot_product_attention (cuDNN / FlashAttention on CUDA) instead of the paged kernel; None: 2048 on CUDA
     # for 16-bit models, off otherwise; 0: off
     dependent_launch: bool | None = None  # programmatic dependent launch inside steps (each Triton kernel, ours and
     # the compiled layers', starts while the kernel before it ends); None: on where supported (CUDA compute

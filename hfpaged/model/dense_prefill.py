@@ -27,7 +27,8 @@ import torch
 from ..core.block_pool import cdiv
 from ..kernels.reference import dequantize
 
-DEFAULT_MIN_TOKENS = 1024  # CUDA, 16-bit models: from 1k tokens on cuDNN is ~1.8x our prefill tiles
+DEFAULT_MIN_TOKENS = 2048  # CUDA, 16-bit models: chunks long enough that cuDNN saves far more than the step's
+# host time outside the CUDA graphs costs (H100: ~1.8x our prefill tiles)
 MAX_SEQS = 8  # planned sequences per step (one SDPA launch per layer each); the rest stay paged
 MAX_PADDED_COST = 1.5  # (context + chunk)^2 / (2 context chunk + chunk^2): padding rows in front of a chunk
 _FIELDS = 4  # b, q_start, context, length
@@ -85,6 +86,14 @@ def applies(entries: list[Entry], sliding_window, softcap, head_dim: int, head_d
     return bool(entries) and not sliding_window and not softcap and head_dim == head_dim_v
 
 
+def padded_length(num_keys: int) -> int:
+    """The SDPA length a sequence of ``num_keys`` keys runs at: cuDNN builds an execution plan per shape (tens of
+    ms each), so lengths are rounded up to a coarse ladder (multiples of 256 up to 4k, of 512 up to 8k, 1k up to
+    16k, 2k beyond) and the plans of a process stay few; the padding costs at most 1/16 of the attention."""
+    step = 256 if num_keys <= 4096 else 512 if num_keys <= 8192 else 1024 if num_keys <= 16384 else 2048
+    return cdiv(num_keys, step) * step
+
+
 def _cache_rows(cache: torch.Tensor, block_tables: torch.Tensor, b: int, num_keys: int) -> torch.Tensor:
     """The first ``num_keys`` cached rows ``[num_keys, kv_heads, D]`` of sequence ``b`` (raw cache dtype)."""
     block_size = cache.shape[1]
@@ -94,14 +103,17 @@ def _cache_rows(cache: torch.Tensor, block_tables: torch.Tensor, b: int, num_key
     return rows.view(cache.dtype)
 
 
-def _keys(cache, chunk, block_tables, b, context, scale, dtype) -> torch.Tensor:
-    """``[context + length, kv_heads, D]`` keys (or values) of sequence ``b`` in ``dtype``."""
+def _fill_keys(buffer, cache, chunk, block_tables, b, context, scale) -> None:
+    """Write sequence ``b``'s ``context + length`` keys (or values) into ``buffer[:context + length]``
+    (``[keys, kv_heads, D]`` view of a ``[1, kv_heads, N, D]`` buffer)."""
     length = chunk.shape[0]
     if cache.element_size() == 1:  # fp8: every key as the cache holds it (the chunk was stored before)
-        return dequantize(_cache_rows(cache, block_tables, b, context + length), scale).to(dtype)
-    if context == 0:
-        return chunk
-    return torch.cat([_cache_rows(cache, block_tables, b, context).to(dtype), chunk.to(dtype)])
+        rows = _cache_rows(cache, block_tables, b, context + length)
+        buffer[: context + length] = dequantize(rows, scale).to(buffer.dtype)
+        return
+    if context:
+        buffer[:context] = _cache_rows(cache, block_tables, b, context)
+    buffer[context : context + length] = chunk
 
 
 def attend(
@@ -122,38 +134,36 @@ def attend(
     **paged_kwargs,
 ) -> torch.Tensor:
     """Attention of a step whose planned sequences go through SDPA (after ``store_kv`` stored the step's keys);
-    q ``[T, heads, D]``, key/value ``[T, kv_heads, D]`` -> ``[T, heads, D]``."""
-    num_heads, num_kv_heads = q.shape[1], key.shape[1]
+    q ``[T, heads, D]``, key/value ``[T, kv_heads, D]`` -> ``[T, heads, D]``. Nothing here waits for the device."""
+    num_heads, num_kv_heads, head_dim = q.shape[1], key.shape[1], q.shape[2]
     if len(entries) == seq_lens.shape[0]:  # every sequence planned: nothing for the paged kernel
         out = q.new_empty(q.shape[0], num_heads, v_cache.shape[-1])
     else:
-        planned = torch.tensor([entry[0] for entry in entries], dtype=torch.long).to(seq_lens.device)
+        paged_lens = seq_lens.clone()
+        for entry in entries:
+            paged_lens[entry[0]] = 0  # a fill on the device (no host -> device copy): the kernel skips it
         out = paged_fn(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens.index_fill(0, planned, 0),  # seq_len 0: the kernel skips the sequence
-            cu_seqlens_q,
-            scale=scale,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            **paged_kwargs,
-        )
+            q, k_cache, v_cache, block_tables, paged_lens, cu_seqlens_q, scale=scale, k_scale=k_scale,
+            v_scale=v_scale, **paged_kwargs,
+        )  # fmt: skip
     for b, q_start, context, length in entries:
         rows = slice(q_start, q_start + length)
-        queries = q[rows]
-        if context:  # bottom-right causal alignment: zero queries in front of the chunk
-            queries = torch.cat([queries.new_zeros(context, *queries.shape[1:]), queries])
-        keys = _keys(k_cache, key[rows], block_tables, b, context, k_scale, q.dtype)
-        values = _keys(v_cache, value[rows], block_tables, b, context, v_scale, q.dtype)
+        end = context + length
+        padded = padded_length(end)
+        # contiguous [1, heads, N, D] buffers (cuDNN runs them faster than strided views of the packed rows): the
+        # chunk's queries after `context` zero rows (SDPA's causal mask is top-left), keys and values after it
+        # zeros (seen only by the padding rows past `end`, whose outputs are dropped)
+        queries = q.new_empty(1, num_heads, padded, head_dim)
+        queries[:, :, :context] = 0
+        queries[:, :, end:] = 0
+        queries[0, :, context:end] = q[rows].transpose(0, 1)
+        keys = q.new_empty(1, num_kv_heads, padded, head_dim)
+        values = q.new_empty(1, num_kv_heads, padded, v_cache.shape[-1])
+        for buffer, cache, chunk, cache_scale in ((keys, k_cache, key, k_scale), (values, v_cache, value, v_scale)):
+            buffer[:, :, end:] = 0
+            _fill_keys(buffer[0].transpose(0, 1), cache, chunk[rows], block_tables, b, context, cache_scale)
         attended = torch.nn.functional.scaled_dot_product_attention(
-            queries.transpose(0, 1).unsqueeze(0),  # [1, heads, keys, D] views of the packed rows
-            keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0),
-            is_causal=True,
-            scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
+            queries, keys, values, is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads
         )
-        out[rows] = attended[0, :, context:].transpose(0, 1)
+        out[rows] = attended[0, :, context:end].transpose(0, 1)
     return out

@@ -48,6 +48,28 @@ def event_ms(fn, iters=20):
     return statistics.median(times)
 
 
+def graph_ms(fn, iters=20):
+    """GPU time per call from a CUDA graph of `iters` calls (no host overhead); None if it cannot be captured."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(iters):
+                fn()
+        g.replay()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / iters
+    except Exception as e:
+        print("graph capture failed:", repr(e)[:200], flush=True)
+        return None
+
+
 def step(prefills, decodes, decode_ctx, cache_dtype):
     """A packed step: fresh prefills (lengths) then decode rows; K/V stored into a shuffled pool."""
     q_lens = list(prefills) + [1] * decodes
@@ -84,7 +106,7 @@ def step(prefills, decodes, decode_ctx, cache_dtype):
 
 
 def kernel_section():
-    shapes = [((1024,), 0), ((2048,), 0), ((4096,), 0), ((8192,), 0), ((4096, 4096), 0), ((4096,), 32), ((1500, 1200, 900), 64)]
+    shapes = [((2048,), 0), ((3000,), 0), ((4096,), 0), ((8192,), 0), ((4096, 4096), 0), ((4096,), 32), ((5000, 2500), 64)]
     for prefills, decodes in shapes:
         for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
             s = step(prefills, decodes, 2048, cache_dtype)
@@ -96,12 +118,14 @@ def kernel_section():
             from hfpaged.core.scheduler_output import ScheduledRequest
 
             sched = [ScheduledRequest(str(i), sl - ql, ql, True) for i, (ql, sl) in enumerate(zip(s["q_lens"], s["seq_lens"]))]
-            entries = dense_prefill.plan(sched, 1024)
+            entries = dense_prefill.plan(sched, 2048)
             dense = lambda: dense_prefill.attend(entries, paged_attention, s["q"], s["key"], s["value"], *args[1:],
                                                  scale=scale, max_seqlen_q=mq, max_seqlen_k=mk, **s["scales"])
             row = dict(prefills=prefills, decodes=decodes, cache=str(cache_dtype), planned=len(entries))
             row["ours_ms"] = event_ms(ours)
             row["dense_ms"] = event_ms(dense)
+            row["ours_graph_ms"] = graph_ms(ours)
+            row["dense_graph_ms"] = graph_ms(dense)
             ref = ours().float()
             got = dense().float()
             rows = slice(0, sum(prefills))
@@ -114,6 +138,7 @@ def kernel_section():
                 sdpa = lambda: [torch.nn.functional.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True)
                                 for a, b, c in contiguous]
                 row["sdpa_contiguous_ms"] = event_ms(sdpa)
+                row["sdpa_contiguous_graph_ms"] = graph_ms(sdpa)
                 starts = [0] + torch.tensor(prefills).cumsum(0).tolist()
                 strided = lambda: [torch.nn.functional.scaled_dot_product_attention(
                     s["q"][a:a + n].transpose(0, 1)[None], s["key"][a:a + n].transpose(0, 1)[None],
@@ -123,6 +148,9 @@ def kernel_section():
                 row["sdpa_tflops"] = flops / row["sdpa_contiguous_ms"] / 1e9
             row["ours_tflops"] = flops / row["ours_ms"] / 1e9
             row["dense_tflops"] = flops / row["dense_ms"] / 1e9
+            for k in ("ours", "dense", "sdpa_contiguous"):
+                if row.get(k + "_graph_ms"):
+                    row[k + "_graph_tflops"] = flops / row[k + "_graph_ms"] / 1e9
             print(json.dumps(row), flush=True)
             res["kernel"].append(row)
             save()
@@ -151,7 +179,9 @@ def engine_section(model, name):
                 torch.cuda.synchronize()
                 dt_prefill = time.perf_counter() - t0
                 dense_prefill_steps = runner.num_dense_steps - dense0
+                hfpaged.reset_prefix_cache(model)  # the long run prefills its prompts again
                 n, dt, _, engine = run_hfpaged(model, prompts, out_lens)
+                hfpaged.reset_prefix_cache(model)
                 outs = model.generate_many(prompts[:8], max_new_tokens=64, do_sample=False, eos_token_id=None) if rep == 0 else None
                 if outs is not None:
                     tokens_by[setting] = [o.token_ids for o in outs]
@@ -174,6 +204,32 @@ def engine_section(model, name):
     save()
 
 
+def profile_section(model):
+    """One 8,000-token prompt prefilled (one planned step), profiled: host time vs GPU time, top ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = torch.randint(10, 1000, (8000,)).tolist()
+    hfpaged.patch(model)
+    try:
+        model.generate_many([prompt[:3000]], max_new_tokens=1, do_sample=False)  # warm-up (graphs, compile)
+        for label in ("first", "again"):
+            hfpaged.reset_prefix_cache(model)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                model.generate_many([prompt], max_new_tokens=1, do_sample=False)
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+            events = prof.key_averages()
+            gpu = sum(e.self_device_time_total for e in events) / 1e3
+            print(f"profile {label}: wall {wall * 1e3:.1f} ms (profiled), GPU kernels {gpu:.1f} ms", flush=True)
+            print(events.table(sort_by="self_cpu_time_total", row_limit=18), flush=True)
+            print(events.table(sort_by="self_device_time_total", row_limit=12), flush=True)
+            res["engine"]["profile_" + label] = dict(wall_ms=wall * 1e3, gpu_ms=gpu)
+    finally:
+        hfpaged.unpatch(model)
+
+
 if __name__ == "__main__":
     which = sys.argv[1:] or ["kernel", "engine"]
     if "kernel" in which:
@@ -188,5 +244,7 @@ if __name__ == "__main__":
         from benchmark import build_model
 
         model = build_model("qwen3-0.6b", torch.bfloat16)
+        if "profile" in which:
+            profile_section(model)
         engine_section(model, "qwen3-0.6b")
     save()
