@@ -32,8 +32,6 @@ from contextlib import contextmanager
 import torch
 from torch.fx.experimental import _config as fx_config
 
-from . import dense_prefill
-
 _registered = False
 _sizes_lock = threading.RLock()  # one compiled forward at a time sets and restores dynamo's duck sizing
 
@@ -78,15 +76,14 @@ def register_custom_ops() -> None:
         k_scale: torch.Tensor | None,
         v_scale: torch.Tensor | None,
         launch_pdl: bool,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        dense_plan: torch.Tensor | None,
     ) -> torch.Tensor:
-        # dense_plan (a CPU tensor, read here on the host, never inside a CUDA graph's replay): the step's long
-        # prefill chunks that attend through SDPA (dense_prefill.py); empty for the steps the graphs capture
-        entries = dense_prefill.decode(dense_plan)
-        args = (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
-        kwargs = dict(
+        return paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            cu_seqlens_q,
             scale=scale,
             sliding_window=sliding_window if sliding_window > 0 else None,
             softcap=softcap if softcap > 0 else None,
@@ -96,9 +93,6 @@ def register_custom_ops() -> None:
             v_scale=v_scale,
             launch_pdl=launch_pdl,
         )
-        if dense_prefill.applies(entries, sliding_window > 0, softcap > 0, q.shape[-1], v_cache.shape[-1]):
-            return dense_prefill.attend(entries, paged_attention, q, key, value, *args[1:], **kwargs)
-        return paged_attention(*args, **kwargs)
 
     @paged_attention_op.register_fake
     def _paged_attention_fake(
@@ -116,9 +110,6 @@ def register_custom_ops() -> None:
         k_scale,
         v_scale,
         launch_pdl,
-        key,
-        value,
-        dense_plan,
     ) -> torch.Tensor:
         return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
 
@@ -130,11 +121,11 @@ def compiled_attention(module, query, key, value, scaling, sliding_window, softc
     k_cache, v_cache = module._hfpaged_kv
     scales = module.__dict__.get("_hfpaged_kv_scale")  # fp8 caches: (whole, k_scale, v_scale); never calibrates
     k_scale, v_scale = (None, None) if scales is None else scales[1:]
-    q, key, value = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    q = query[0].transpose(0, 1)
     launch_pdl = kwargs["hfpaged_launch_pdl"]  # a Python bool: a constant of the compiled graph
     torch.ops.hfpaged.store_kv(
-        key,
-        value,
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
         k_cache,
         v_cache,
         kwargs["hfpaged_slot_mapping"],
@@ -157,9 +148,6 @@ def compiled_attention(module, query, key, value, scaling, sliding_window, softc
         k_scale,
         v_scale,
         launch_pdl,
-        key,
-        value,
-        kwargs.get("hfpaged_dense_plan"),
     )
     return out.unsqueeze(0)
 
@@ -292,7 +280,6 @@ class CompiledStepForward:
         self.max_seqlen_k = max_seqlen_k
         self.launch_pdl = launch_pdl  # the Triton kernels' programmatic dependent launch (dependent_launch.py)
         self.regional = regional
-        self.no_plan = dense_prefill.empty_plan()  # the dense-prefill plan of every step the CUDA graphs capture
         options = inductor_options(launch_pdl)
         # dynamo keeps compiled graphs, and counts recompiles against its limit (8), per code object: each
         # compiled forward compiles copies with code of their own, so models and re-patches in one process never
@@ -307,17 +294,7 @@ class CompiledStepForward:
 
     @torch.no_grad()
     def _forward(
-        self,
-        model,
-        input_ids,
-        position_ids,
-        slot_mapping,
-        block_tables,
-        seq_lens,
-        cu_seqlens_q,
-        max_seqlen_q,
-        keep,
-        dense_plan,
+        self, model, input_ids, position_ids, slot_mapping, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, keep
     ):
         output = type(model).forward(
             model,
@@ -332,31 +309,21 @@ class CompiledStepForward:
             hfpaged_max_seqlen_q=max_seqlen_q + MAX_SEQLEN_Q_OFFSET,
             hfpaged_max_seqlen_k=self.max_seqlen_k,
             hfpaged_launch_pdl=self.launch_pdl,
-            hfpaged_dense_plan=dense_plan,
         )
         return output.logits[0]
 
     def __call__(
-        self,
-        model,
-        *step_tensors,
-        max_seqlen_q: int = 1,
-        logits_indices: torch.Tensor | None = None,
-        dense_plan: torch.Tensor | None = None,
+        self, model, *step_tensors, max_seqlen_q: int = 1, logits_indices: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """``dense_plan``: ``dense_prefill.encode`` of the step's SDPA chunks (a step outside the CUDA graphs);
-        None: none. A plan tensor goes in either way (always the same shape), so both share one compiled graph."""
         _mark_caches_static(model)
-        plan = self.no_plan if dense_plan is None else dense_plan
-        torch._dynamo.mark_static(plan)
         keep = 0 if logits_indices is None else logits_indices  # 0: every row
         blocks, others = compile_regions(model) if self.regional else ([], [])
         if not blocks:
             with _distinct_size_symbols():
-                return self.whole_forward(model, *step_tensors, max_seqlen_q, keep, plan)
+                return self.whole_forward(model, *step_tensors, max_seqlen_q, keep)
         regions = [(m, self.block_forward) for m in blocks] + [(m, self.other_forward) for m in others]
         with _distinct_size_symbols(), _compiled_forwards(regions):
-            return self._forward(model, *step_tensors, max_seqlen_q, keep, plan)
+            return self._forward(model, *step_tensors, max_seqlen_q, keep)
 
 
 def compile_step_forward(max_seqlen_k: int, regional: bool = True, launch_pdl: bool = False) -> CompiledStepForward:

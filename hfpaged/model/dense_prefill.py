@@ -1,10 +1,14 @@
 """Long prefill chunks through torch's ``scaled_dot_product_attention`` instead of the paged kernel.
 
 Why: the attention of a long prompt is compute-bound, and on Hopper cuDNN's fused attention (what SDPA picks for
-16-bit inputs) runs it at ~1.7-1.8x the FLOP rate of our Triton prefill tiles, which gather keys through the block
-table (notes/kernels.md: 54-60% of cuDNN at 1-8k tokens). vLLM does the same: FlashAttention for prefill, its
+16-bit inputs) runs it at ~1.7x the FLOP rate of our Triton prefill tiles, which gather keys through the block
+table (notes/kernels.md: 57-60% of cuDNN at 4-8k tokens). vLLM does the same: FlashAttention for prefill, its
 paged kernels for the rest. Decode rows and short chunks keep the paged kernel (SDPA has no paged keys, and one
 call per sequence costs host time that short chunks do not pay back).
+
+Only steps that run without a CUDA graph anyway take this path (``enforce_eager``, layers on several devices,
+steps too wide for the graphs): a step taken out of the graphs for it runs its layers eagerly, ~1-2 ms of host
+time per layer, more than cuDNN saves on a small model (measured: notes/kernels.md, session 15).
 
 A step's *plan* names, on the host, the sequences whose query chunk is at least ``min_tokens`` long: entries
 ``(b, q_start, context, length)`` (sequence index, first token row, keys before the chunk, chunk length). For each
@@ -12,12 +16,11 @@ layer the keys of such a sequence are its whole context plus the chunk: the chun
 them (16-bit caches: the cache holds the same values) or, for fp8 caches and for the context, read back from the
 cache (dequantized: the same values the paged kernel would read). SDPA's ``is_causal`` aligns the mask top-left,
 so a chunk with context runs with ``context`` zero query rows in front (their outputs are dropped); a plan takes
-such a chunk only while that padding costs at most ``MAX_PADDED_COST`` times the chunk's own attention.
+such a chunk only while that padding costs at most ``MAX_PADDED_COST`` times the chunk's own attention. Lengths are
+rounded up to a coarse ladder (``padded_length``): cuDNN builds an execution plan per shape.
 
 The paged kernel then runs over the step with the planned sequences' ``seq_lens`` set to 0, which it skips (their
-rows are not written, see ``kernels/paged_attention.py``), and the SDPA outputs fill those rows. Steps with a plan
-run outside the CUDA graphs (their shape is the plan), with the compiled layers where the graphs use them: the plan
-reaches the attention as a CPU tensor (fixed size, so one compiled graph serves planned and graph steps alike).
+rows are left to the caller, see ``kernels/paged_attention.py``), and the SDPA outputs fill those rows.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ DEFAULT_MIN_TOKENS = 2048  # CUDA, 16-bit models: chunks long enough that cuDNN 
 # host time outside the CUDA graphs costs (H100: ~1.8x our prefill tiles)
 MAX_SEQS = 8  # planned sequences per step (one SDPA launch per layer each); the rest stay paged
 MAX_PADDED_COST = 1.5  # (context + chunk)^2 / (2 context chunk + chunk^2): padding rows in front of a chunk
-_FIELDS = 4  # b, q_start, context, length
+_LAYOUT = "bhsd"  # SDPA buffers: "bhsd" contiguous [1, heads, N, D]; "bshd" [1, N, heads, D] viewed transposed
 
 Entry = tuple[int, int, int, int]
 
@@ -59,26 +62,6 @@ def plan(scheduled, min_tokens: int) -> list[Entry]:
             entries.append((b, q_start, context, length))
         q_start += length
     return entries
-
-
-def encode(entries: list[Entry]) -> torch.Tensor:
-    """``entries`` as the fixed-size CPU tensor the compiled layers carry (``[count, b, q_start, ctx, len, ...]``)."""
-    if len(entries) > MAX_SEQS:
-        raise ValueError(f"a dense prefill plan holds at most {MAX_SEQS} sequences, got {len(entries)}")
-    flat = [len(entries)] + [v for entry in entries for v in entry]
-    flat += [0] * (1 + _FIELDS * MAX_SEQS - len(flat))
-    return torch.tensor(flat, dtype=torch.int64)
-
-
-def empty_plan() -> torch.Tensor:
-    return encode([])
-
-
-def decode(plan_tensor: torch.Tensor | None) -> list[Entry]:
-    if plan_tensor is None:
-        return []
-    flat = plan_tensor.tolist()  # a CPU tensor: no device sync
-    return [tuple(flat[1 + _FIELDS * i : 1 + _FIELDS * (i + 1)]) for i in range(flat[0])]
 
 
 def applies(entries: list[Entry], sliding_window, softcap, head_dim: int, head_dim_v: int) -> bool:
@@ -150,20 +133,33 @@ def attend(
         rows = slice(q_start, q_start + length)
         end = context + length
         padded = padded_length(end)
-        # contiguous [1, heads, N, D] buffers (cuDNN runs them faster than strided views of the packed rows): the
-        # chunk's queries after `context` zero rows (SDPA's causal mask is top-left), keys and values after it
-        # zeros (seen only by the padding rows past `end`, whose outputs are dropped)
-        queries = q.new_empty(1, num_heads, padded, head_dim)
-        queries[:, :, :context] = 0
-        queries[:, :, end:] = 0
-        queries[0, :, context:end] = q[rows].transpose(0, 1)
-        keys = q.new_empty(1, num_kv_heads, padded, head_dim)
-        values = q.new_empty(1, num_kv_heads, padded, v_cache.shape[-1])
+        # [1, N, heads, D] rows (seen by SDPA as [1, heads, N, D]): the chunk's queries after `context` zero rows
+        # (SDPA's causal mask is top-left), keys and values followed by zeros (seen only by the padding rows past
+        # `end`, whose outputs are dropped)
+        queries = _buffer(q, padded, num_heads, head_dim)
+        keys = _buffer(q, padded, num_kv_heads, head_dim)
+        values = _buffer(q, padded, num_kv_heads, v_cache.shape[-1])
+        queries[:context] = 0
+        queries[end:] = 0
+        queries[context:end] = q[rows]
         for buffer, cache, chunk, cache_scale in ((keys, k_cache, key, k_scale), (values, v_cache, value, v_scale)):
-            buffer[:, :, end:] = 0
-            _fill_keys(buffer[0].transpose(0, 1), cache, chunk[rows], block_tables, b, context, cache_scale)
+            buffer[end:] = 0
+            _fill_keys(buffer, cache, chunk[rows], block_tables, b, context, cache_scale)
         attended = torch.nn.functional.scaled_dot_product_attention(
-            queries, keys, values, is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads
-        )
+            _sdpa_view(queries), _sdpa_view(keys), _sdpa_view(values), is_causal=True, scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )  # fmt: skip
         out[rows] = attended[0, :, context:end].transpose(0, 1)
     return out
+
+
+def _buffer(like: torch.Tensor, length: int, heads: int, dim: int) -> torch.Tensor:
+    """A ``[length, heads, D]`` view of a new SDPA input buffer in ``_LAYOUT``."""
+    if _LAYOUT == "bhsd":
+        return like.new_empty(1, heads, length, dim)[0].transpose(0, 1)
+    return like.new_empty(1, length, heads, dim)[0]
+
+
+def _sdpa_view(rows: torch.Tensor) -> torch.Tensor:
+    """``[1, heads, N, D]`` of a ``_buffer`` view."""
+    return rows.transpose(0, 1).unsqueeze(0)

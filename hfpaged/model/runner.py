@@ -128,8 +128,7 @@ class ModelRunner:
 
     def _forward_step(self, out: SchedulerOutput) -> tuple[torch.Tensor, HostStep, torch.Tensor | None]:
         """(logits of the sampled rows, the host step, their argmax where a CUDA graph computed it)."""
-        dense = dense_prefill.plan(out.scheduled, self.dense_min_tokens)
-        graphs, bucket = (None, None) if dense else self._graphs_for(out)
+        graphs, bucket = self._graphs_for(out)
         if graphs is not None:
             # the step's own (padded) table width: the graph reads only the [R, width] corner it is given
             host = self.batch.pack(out.scheduled, self.previous, pad_to=graphs.shape(bucket))
@@ -149,13 +148,12 @@ class ModelRunner:
             # device, so the indices go as a list of ints, which indexes a tensor on any device.
             keep = step.logits_indices.tolist()
         self.num_eager_steps += 1
+        # a step that runs without a CUDA graph anyway hands its long chunks to SDPA; one that fits a graph keeps
+        # them (outside a graph a step costs ~1-2 ms of host time per layer: more than cuDNN saves on a small model)
+        dense = dense_prefill.plan(out.scheduled, self.dense_min_tokens)
         self.num_dense_steps += bool(dense)
         calibrate = self.state.calibration_pending  # fp8 scales from the first step that stores K/V
-        if dense and self.use_graphs and self.compile and not calibrate:
-            # the graphs' compiled layers, run outside a graph: a plan's step has no graph of its shape
-            logits = self._graph_forward(step, mixed=True, dense=dense)
-        else:
-            logits = self.forward(step, logits_indices=keep, calibrate=calibrate, dense=dense)
+        logits = self.forward(step, logits_indices=keep, calibrate=calibrate, dense=dense)
         self.state.calibration_pending = False
         return logits, host, None
 
@@ -260,12 +258,12 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         self.warmup_seconds = time.perf_counter() - start
 
-    def _graph_forward(self, step: DeviceStep, mixed: bool = False, dense: list | None = None) -> torch.Tensor:
+    def _graph_forward(self, step: DeviceStep, mixed: bool = False) -> torch.Tensor:
         """The forward a CUDA graph captures: decode (every row sampled) or mixed (``step.logits_indices``), with
-        compiled layers unless compile is off. ``dense`` (a step run outside the graphs): its dense_prefill plan."""
+        compiled layers unless compile is off."""
         eager_keep = None if mixed else 0  # 0: every token of a decode batch is sampled
         if not self.compile:
-            return self.forward(step, logits_indices=eager_keep, dense=dense)
+            return self.forward(step, logits_indices=eager_keep)
         if self._compiled is None:
             self._compiled = self._compile_step_forward()
         meta = step.metadata  # reaches the attention as forward kwargs: no step context needed
@@ -282,7 +280,6 @@ class ModelRunner:
                     meta.cu_seqlens_q,
                     max_seqlen_q=meta.max_seqlen_q,
                     logits_indices=step.logits_indices if mixed else None,
-                    dense_plan=dense_prefill.encode(dense) if dense else None,
                 )
         except Exception as error:
             # compile by default (None) must not cost a model that torch.compile cannot take its graphs: a
@@ -296,7 +293,7 @@ class ModelRunner:
             )
             self.compile = False
             self._compiled = None
-            return self.forward(step, logits_indices=eager_keep, dense=dense)
+            return self.forward(step, logits_indices=eager_keep)
         if self._compile_cache is not None and not capturing:
             self._compile_cache.save()  # writes only when this forward compiled something the file lacks
         return logits
