@@ -337,7 +337,6 @@ def hfpaged_record(model, tokens, seconds, usage, engine) -> dict:
         "kv_slot_usage": usage,
         "graph_steps": engine.runner.num_graph_steps,
         "eager_steps": engine.runner.num_eager_steps,
-        "dense_steps": engine.runner.num_dense_steps,
         "host_seconds": dict(engine.core.timings),
         "gc_pauses": engine.gc_pauses,
         "stats": hfpaged.stats(model),
@@ -489,7 +488,6 @@ def prefill_throughput(model, prompts, max_num_seqs: int, compile) -> dict:
             "share_of_matmul_peak": total / dt / 1e12 / peak,
             "graph_steps": engine.runner.num_graph_steps,
             "eager_steps": engine.runner.num_eager_steps,
-            "dense_steps": engine.runner.num_dense_steps,  # of the eager ones: long chunks through SDPA
         }
     finally:
         hfpaged.unpatch(model)

@@ -249,8 +249,6 @@ def _paged_attention_kernel(
         cu_seqlens_q_ptr, seq_lens_ptr, program, num_seqs, BLOCK_Q, SEARCH_BLOCK
     )
     wait_for_previous_kernel(USE_PDL)
-    if seq_len == 0:
-        return  # a sequence the caller attends elsewhere (dense prefill): its rows are left unspecified
     q_len = q_end - q_start
     if BLOCK_Q > 1:
         # Last query block first: the heaviest causal blocks start early, the light ones fill the tail.

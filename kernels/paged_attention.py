@@ -238,8 +238,7 @@ def paged_attention(
     """Causal paged attention over a packed batch (GQA, sliding window, softcap) -> ``[T, num_heads, head_dim_v]``.
 
     fp8 caches (float8_e4m3fn / float8_e5m2) need ``k_scale``/``v_scale`` (one-element float32 tensors):
-    K/V tiles are dequantized as they are loaded. A sequence whose ``seq_lens`` entry is 0 is skipped: its output
-    rows are left unspecified (``hfpaged.model.dense_prefill`` attends those elsewhere). ``launch_pdl``: programmatic dependent launch (see
+    K/V tiles are dequantized as they are loaded. ``launch_pdl``: programmatic dependent launch (see
     ``dependent_launch.py``; needs ``dependent_launch_supported``).
     """
     _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale)

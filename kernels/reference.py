@@ -85,7 +85,6 @@ def paged_attention_reference(
     q is ``[T, num_heads, head_dim]``; the ``q_len`` queries of sequence ``b`` are its last
     ``q_len`` positions out of ``seq_lens[b]``. Scores are computed in float32 (float64 for float64 q).
     ``max_seqlen_q``/``max_seqlen_k`` are optional host-side hints (unused here; kernels size grids by them).
-    A sequence whose ``seq_lens`` entry is 0 is skipped: its output rows are left unspecified.
     """
     check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     num_tokens, num_heads, _ = q.shape
@@ -99,7 +98,7 @@ def paged_attention_reference(
     for b, seq_len in enumerate(seq_lens_list):
         q_start, q_end = cu_list[b], cu_list[b + 1]
         q_len = q_end - q_start
-        if q_len == 0 or seq_len == 0:  # seq_len 0: attended elsewhere (dense prefill), rows not written
+        if q_len == 0:
             continue
         num_seq_blocks = (seq_len + block_size - 1) // block_size
         blocks = block_tables[b, :num_seq_blocks].long()

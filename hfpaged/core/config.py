@@ -38,9 +38,6 @@ class EngineConfig:
     # one (k_scale, v_scale) per attention layer; None: the checkpoint's k_scale/v_scale, else calibrated
     fuse_projections: bool | None = None  # q/k/v and gate/up as one GEMM each in paged steps (weights moved into
     # one buffer per group, no copy); None: on for layers on CUDA devices only; False: off (unfused, exact)
-    dense_prefill_tokens: int | None = None  # prefill chunks of at least this many tokens attend through torch's
-    # scaled_dot_product_attention (cuDNN / FlashAttention on CUDA) instead of the paged kernel; None: 2048 on CUDA
-    # for 16-bit models, off otherwise; 0: off
     dependent_launch: bool | None = None  # programmatic dependent launch inside steps (each Triton kernel, ours and
     # the compiled layers', starts while the kernel before it ends); None: on where supported (CUDA compute
     # capability 9.0+) except under tensor parallelism; True: required (an error where unsupported); False: off
@@ -76,12 +73,6 @@ class EngineConfig:
         for name in ("compile", "fuse_projections", "dependent_launch"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
-        if self.dense_prefill_tokens is not None and (
-            isinstance(self.dense_prefill_tokens, bool)
-            or not isinstance(self.dense_prefill_tokens, int)
-            or self.dense_prefill_tokens < 0
-        ):
-            raise ValueError(f"dense_prefill_tokens must be None or an int >= 0, got {self.dense_prefill_tokens!r}")
         if self.compile_cache_dir is not None and not isinstance(self.compile_cache_dir, str):
             raise ValueError(f"compile_cache_dir must be a path, '' or None, got {self.compile_cache_dir!r}")
         if self.cpu_kv_cache_gib <= 0:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from . import dense_prefill, hf_compat
+from . import hf_compat
 from .kv_quant import calibrate
 
 ATTENTION_NAME = "hfpaged"
@@ -96,7 +96,6 @@ class PagedStep:
     store_fn: Callable[..., None]
     attention_fn: Callable[..., torch.Tensor]
     calibrate: bool = False  # fp8 caches: set each layer's K/V scales from this forward's keys/values first
-    dense: list = field(default_factory=list)  # dense_prefill.plan entries: chunks attended through SDPA
 
 
 # --- switching a model's attention for one forward ---------------------------------------------------
@@ -207,8 +206,13 @@ def _paged(context: PagedStep, module, query, key, value, scaling, sliding_windo
             calibrate(scales[0], key, value, k_cache.dtype)
         kv_scales = {"k_scale": scales[1], "v_scale": scales[2]}
     context.store_fn(key, value, k_cache, v_cache, meta.slot_mapping, **kv_scales)
-    args = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q)
-    kwargs = dict(
+    out = context.attention_fn(
+        q,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.cu_seqlens_q,
         scale=scaling,
         sliding_window=sliding_window,
         softcap=softcap,
@@ -216,10 +220,6 @@ def _paged(context: PagedStep, module, query, key, value, scaling, sliding_windo
         max_seqlen_k=meta.max_seqlen_k,
         **kv_scales,
     )
-    if dense_prefill.applies(context.dense, sliding_window, softcap, q.shape[-1], v_cache.shape[-1]):
-        out = dense_prefill.attend(context.dense, context.attention_fn, q, key, value, *args[1:], **kwargs)
-    else:
-        out = context.attention_fn(*args, **kwargs)
     return out.unsqueeze(0)
 
 

@@ -25,7 +25,6 @@ import torch
 from ..core.block_pool import cdiv
 from ..core.scheduler_output import SchedulerOutput
 from ..sampling.sampler import Sampler, StepResult
-from . import dense_prefill
 from .attention import PagedStep, eval_mode, paged_forward
 from .cuda_graphs import StepGraphs
 from .fused_projections import fused_step
@@ -75,10 +74,6 @@ class ModelRunner:
         self.capture_seconds = {"decode": 0.0, "mixed": 0.0}  # graph capture wall time, compiles included
         self.num_graph_steps = 0
         self.num_eager_steps = 0
-        self.num_dense_steps = 0  # eager steps (of those) with chunks attended through SDPA (dense_prefill.py)
-        self.dense_min_tokens = dense_prefill.resolve_min_tokens(
-            state.config.dense_prefill_tokens, self.device, [layer.dtype for layer in state.layers]
-        )
 
     @property
     def model(self) -> torch.nn.Module:
@@ -148,12 +143,8 @@ class ModelRunner:
             # device, so the indices go as a list of ints, which indexes a tensor on any device.
             keep = step.logits_indices.tolist()
         self.num_eager_steps += 1
-        # a step that runs without a CUDA graph anyway hands its long chunks to SDPA; one that fits a graph keeps
-        # them (outside a graph a step costs ~1-2 ms of host time per layer: more than cuDNN saves on a small model)
-        dense = dense_prefill.plan(out.scheduled, self.dense_min_tokens)
-        self.num_dense_steps += bool(dense)
         calibrate = self.state.calibration_pending  # fp8 scales from the first step that stores K/V
-        logits = self.forward(step, logits_indices=keep, calibrate=calibrate, dense=dense)
+        logits = self.forward(step, logits_indices=keep, calibrate=calibrate)
         self.state.calibration_pending = False
         return logits, host, None
 
@@ -197,15 +188,10 @@ class ModelRunner:
             yield
 
     def forward(
-        self,
-        step: DeviceStep,
-        logits_indices: torch.Tensor | list[int] | int | None = None,
-        calibrate: bool = False,
-        dense: list | None = None,
+        self, step: DeviceStep, logits_indices: torch.Tensor | list[int] | int | None = None, calibrate: bool = False
     ) -> torch.Tensor:
-        """The unmodified model over a packed step with paged attention; logits ``[n, vocab]``. ``dense``: the
-        step's ``dense_prefill.plan``."""
-        context = PagedStep(step.metadata, self.store_fn, self.attention_fn, calibrate, dense or [])
+        """The unmodified model over a packed step with paged attention; logits ``[n, vocab]``."""
+        context = PagedStep(step.metadata, self.store_fn, self.attention_fn, calibrate)
         keep = step.logits_indices if logits_indices is None else logits_indices
         kwargs = {"logits_to_keep": keep} if self.supports_logits_to_keep else {}
         with self._model_step():
