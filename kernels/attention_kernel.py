@@ -119,6 +119,29 @@ def _attend_tile(
     # qk_scale and the final normalisation, so no full-precision copy of the cache exists anywhere)
     k = k.to(q.dtype)
     v = v.to(q.dtype)
+    return _online_softmax_step(
+        acc, m_i, l_i, q, k, v, k_pos, q_pos, qk_scale, softcap, window, USE_SOFTCAP, USE_WINDOW, MASKED, DOT_PRECISION
+    )
+
+
+@triton.jit
+def _online_softmax_step(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k,  # [HEAD_DIM_PAD, TILE_N] in q's dtype
+    v,  # [TILE_N, HEAD_DIM_V_PAD]
+    k_pos,  # [TILE_N] key positions
+    q_pos,
+    qk_scale,
+    softcap,
+    window,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     s = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N] fp32
     if USE_SOFTCAP:
         s = softcap * _tanh(s * qk_scale)  # already scaled, log2 domain
@@ -140,6 +163,39 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # in-place accumulate
     return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_step_tiles(
+    acc,
+    m_i,
+    l_i,
+    q,
+    tile_begin,
+    tile_end,
+    row_offset,  # the step row of key position p is row_offset + p (p at or past the sequence's context)
+    kv_head,
+    k_step_desc,  # TMA descriptors over the step's own keys / values [T, num_kv_heads, D]
+    v_step_desc,
+    qk_scale,
+    softcap,
+    HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM_V_PAD: tl.constexpr,
+    TILE_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Unmasked tiles whose keys were all computed in this step: whole [TILE_N, D] boxes of the step's contiguous
+    # rows by TMA instead of per-key gathers through the block table (the cache holds the same values).
+    for tile in range(tile_begin, tile_end):
+        row = row_offset + tile * TILE_N
+        k = k_step_desc.load([row, kv_head, 0]).reshape(TILE_N, HEAD_DIM_PAD)
+        v = v_step_desc.load([row, kv_head, 0]).reshape(TILE_N, HEAD_DIM_V_PAD)
+        acc, m_i, l_i = _online_softmax_step(
+            acc, m_i, l_i, q, tl.trans(k), v, tile, tile, qk_scale, softcap, 0,
+            USE_SOFTCAP, False, False, DOT_PRECISION,
+        )  # fmt: skip
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -199,6 +255,8 @@ def _paged_attention_kernel(
     cu_seqlens_q_ptr,  # [B + 1] int32
     k_scale_ptr,  # [1] fp32, read when KV_FP8: key = cache value * k_scale
     v_scale_ptr,  # [1] fp32, read when KV_FP8
+    k_step_desc,  # STEP_KV: TMA descriptors over the step's own keys / values [T, num_kv_heads, D] (else None)
+    v_step_desc,
     num_seqs,
     num_splits,
     min_split_tiles,  # SPLIT: a split covers at least this many tiles (short contexts use fewer splits)
@@ -236,6 +294,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
     KV_FP8: tl.constexpr,
+    STEP_KV: tl.constexpr = False,  # unmasked tiles of keys computed in this step load from the step's rows
     FP8_DOT_F16: tl.constexpr = True,  # fp8 caches with bf16 queries: dots in fp16 (False: upcast K/V to bf16)
     USE_PDL: tl.constexpr = False,  # programmatic dependent launch (dependent_launch.py)
 ):
@@ -347,13 +406,23 @@ def _paged_attention_kernel(
             HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_SIZE, TILE_N,
             USE_SOFTCAP, USE_WINDOW, True, DOT_PRECISION,
         )  # fmt: skip
+    if STEP_KV:
+        # the interior tiles from the first one wholly past the cached context read the step's own rows
+        step_tile_begin = tl.minimum(tl.maximum(tl.cdiv(context_len, TILE_N), full_tile_begin), full_tile_end)
+    else:
+        step_tile_begin = full_tile_end
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, full_tile_begin, full_tile_end, q_pos, kv_end, k_head_ptr, v_head_ptr,
+        acc, m_i, l_i, q, full_tile_begin, step_tile_begin, q_pos, kv_end, k_head_ptr, v_head_ptr,
         block_table_row_ptr, qk_scale, softcap, window,
         stride_k_b, stride_k_s, stride_k_d, stride_v_b, stride_v_s, stride_v_d,
         HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_SIZE, TILE_N,
         USE_SOFTCAP, USE_WINDOW, False, DOT_PRECISION,
     )  # fmt: skip
+    if STEP_KV:
+        acc, m_i, l_i = _attend_step_tiles(
+            acc, m_i, l_i, q, step_tile_begin, full_tile_end, q_start - context_len, kv_head, k_step_desc,
+            v_step_desc, qk_scale, softcap, HEAD_DIM_PAD, HEAD_DIM_V_PAD, TILE_N, USE_SOFTCAP, DOT_PRECISION,
+        )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, full_tile_end, tile_end, q_pos, kv_end, k_head_ptr, v_head_ptr,
         block_table_row_ptr, qk_scale, softcap, window,

@@ -104,6 +104,36 @@ def config_for_batch(
     )
 
 
+def step_kv_usable(q, k_cache, v_cache, key, value) -> bool:
+    """Whether the step's own keys/values (checked: ``[T, num_kv_heads, D]`` like q and the caches) can feed the TMA
+    tiles: 16-bit caches (fp8 caches hold quantized values, which the kernel must read), power-of-two heads of at
+    most 128 (one TMA box row), K and V heads alike, rows TMA can address (16-byte aligned base and strides, unit
+    stride along a head)."""
+    for name, t, cache in (("key", key, k_cache), ("value", value, v_cache)):
+        expected = (q.shape[0], cache.shape[2], cache.shape[3])
+        if tuple(t.shape) != expected or t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(
+                f"{name} must be [{expected[0]}, {expected[1]}, {expected[2]}] {q.dtype} on {q.device} "
+                f"(q's tokens, the cache's KV heads and head dim), got {list(t.shape)} {t.dtype} on {t.device}"
+            )
+    if q.dtype not in (torch.float16, torch.bfloat16) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return False
+    head_dim = k_cache.shape[3]
+    if v_cache.shape[3] != head_dim or head_dim > 128 or head_dim != next_power_of_2(max(16, head_dim)):
+        return False
+    for t in (key, value):
+        size = t.element_size()
+        if t.stride(2) != 1 or t.data_ptr() % 16 or (t.stride(0) * size) % 16 or (t.stride(1) * size) % 16:
+            return False
+    return True
+
+
+def _step_descriptor(t: torch.Tensor, tile_n: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, shape=list(t.shape), strides=list(t.stride()), block_shape=[tile_n, 1, t.shape[2]])
+
+
 @launches_on_first_tensor_gpu
 def paged_attention_with_config(
     q: torch.Tensor,
@@ -121,10 +151,13 @@ def paged_attention_with_config(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     launch_pdl: bool = False,
+    step_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """paged_attention with an explicit tile config (tests, tuning); arguments are not re-checked.
 
-    ``out`` (contiguous ``[T, num_heads, head_dim_v]`` in q's dtype) is written in place when given.
+    ``out`` (contiguous ``[T, num_heads, head_dim_v]`` in q's dtype) is written in place when given. ``step_kv``:
+    the step's own keys and values ``[T, num_kv_heads, D]`` (already stored), which unmasked tiles of keys computed
+    in this step then read by TMA (``step_kv_usable`` says when that applies; otherwise they are ignored).
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -150,6 +183,9 @@ def paged_attention_with_config(
         split_sum = torch.empty(rows, dtype=torch.float32, device=q.device)
     else:
         split_acc = split_max = split_sum = out  # unused
+    k_desc = v_desc = None
+    if step_kv is not None and not split and step_kv_usable(q, k_cache, v_cache, *step_kv):  # no-op if unusable
+        k_desc, v_desc = (_step_descriptor(t, config.tile_n) for t in step_kv)
     _paged_attention_kernel[(num_programs, num_kv_heads, config.num_splits)](
         out,
         split_acc,
@@ -163,6 +199,8 @@ def paged_attention_with_config(
         cu_seqlens_q,
         k_scale if fp8 else seq_lens,  # unused without fp8
         v_scale if fp8 else seq_lens,
+        k_desc,
+        v_desc,
         num_seqs,
         config.num_splits,
         config.min_split_tiles,
@@ -192,6 +230,7 @@ def paged_attention_with_config(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SEARCH_BLOCK=search_block(num_seqs),
         KV_FP8=fp8,
+        STEP_KV=k_desc is not None,
         USE_PDL=launch_pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -234,12 +273,16 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     launch_pdl: bool = False,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a packed batch (GQA, sliding window, softcap) -> ``[T, num_heads, head_dim_v]``.
 
     fp8 caches (float8_e4m3fn / float8_e5m2) need ``k_scale``/``v_scale`` (one-element float32 tensors):
     K/V tiles are dequantized as they are loaded. ``launch_pdl``: programmatic dependent launch (see
-    ``dependent_launch.py``; needs ``dependent_launch_supported``).
+    ``dependent_launch.py``; needs ``dependent_launch_supported``). ``key``/``value``: this step's own keys and
+    values ``[T, num_kv_heads, D]``, as just stored into the cache (optional): prompt chunks then read the tiles of
+    keys computed in this step from them by TMA instead of gathering through the block table (same values).
     """
     _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale)
     check_launch_pdl(launch_pdl, q.device)
@@ -256,10 +299,14 @@ def paged_attention(
             max_seqlen_q = max((cu[b + 1] - cu[b] for b in range(num_seqs)), default=0)
         if max_seqlen_k is None:
             max_seqlen_k = int(seq_lens.max()) if num_seqs else 0
-    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise TypeError(f"{name} must be a non-negative host int, got {value!r}")
+    for name, hint in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(hint, int) or isinstance(hint, bool) or hint < 0:
+            raise TypeError(f"{name} must be a non-negative host int, got {hint!r}")
     config = config_for_batch(num_tokens, num_seqs, num_heads, q.dtype, k_cache, v_cache, max_seqlen_q, max_seqlen_k)
+    if (key is None) != (value is None):
+        raise ValueError("key and value go together: give both or neither")
+    use_step_kv = key is not None and step_kv_usable(q, k_cache, v_cache, key, value)
+    use_step_kv = use_step_kv and config.num_splits == 1 and max_seqlen_q >= config.tile_n
     return paged_attention_with_config(
         q,
         k_cache,
@@ -274,4 +321,5 @@ def paged_attention(
         k_scale=k_scale,
         v_scale=v_scale,
         launch_pdl=launch_pdl,
+        step_kv=(key, value) if use_step_kv else None,
     )

@@ -78,13 +78,16 @@ def paged_attention_reference(
     max_seqlen_k: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference paged attention over a packed batch (causal, GQA, sliding window, softcap; fp8 caches
     are dequantized with ``k_scale``/``v_scale``).
 
     q is ``[T, num_heads, head_dim]``; the ``q_len`` queries of sequence ``b`` are its last
     ``q_len`` positions out of ``seq_lens[b]``. Scores are computed in float32 (float64 for float64 q).
-    ``max_seqlen_q``/``max_seqlen_k`` are optional host-side hints (unused here; kernels size grids by them).
+    ``max_seqlen_q``/``max_seqlen_k`` are optional host-side hints (unused here; kernels size grids by them), and so
+    are ``key``/``value`` (the step's own keys: the reference reads every key from the cache).
     """
     check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     num_tokens, num_heads, _ = q.shape

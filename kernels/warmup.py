@@ -92,6 +92,8 @@ def warm_up(
         seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=device)
         cu = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
         q = torch.ones(num_tokens, num_heads, head_dim, dtype=dtype, device=device)  # no RNG: a graph may be capturing
+        kv = torch.zeros(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
+        values = torch.zeros(num_tokens, num_kv_heads, v_cache.shape[3], dtype=dtype, device=device)
         paged_attention(
             q,
             k_cache,
@@ -105,13 +107,14 @@ def warm_up(
             max_seqlen_q=max_q,
             max_seqlen_k=context,
             launch_pdl=launch_pdl,
+            key=kv,  # as the engine passes the step's keys (prompt chunks: the variant reading them by TMA)
+            value=values,
             **scales,
         )
         slots = torch.full((num_tokens,), -1, dtype=torch.int32, device=device)
-        kv = torch.zeros(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
         store_kv(
             kv,
-            torch.zeros(num_tokens, num_kv_heads, v_cache.shape[3], dtype=dtype, device=device),
+            values,
             k_cache,
             v_cache,
             slots,

@@ -218,6 +218,8 @@ def _paged(context: PagedStep, module, query, key, value, scaling, sliding_windo
         softcap=softcap,
         max_seqlen_q=meta.max_seqlen_q,
         max_seqlen_k=meta.max_seqlen_k,
+        key=key,  # the step's own keys: prompt chunks read them instead of gathering what was just stored
+        value=value,
         **kv_scales,
     )
     return out.unsqueeze(0)

@@ -76,6 +76,8 @@ def register_custom_ops() -> None:
         k_scale: torch.Tensor | None,
         v_scale: torch.Tensor | None,
         launch_pdl: bool,
+        key: torch.Tensor,
+        value: torch.Tensor,
     ) -> torch.Tensor:
         return paged_attention(
             q,
@@ -92,6 +94,8 @@ def register_custom_ops() -> None:
             k_scale=k_scale,
             v_scale=v_scale,
             launch_pdl=launch_pdl,
+            key=key,
+            value=value,
         )
 
     @paged_attention_op.register_fake
@@ -110,6 +114,8 @@ def register_custom_ops() -> None:
         k_scale,
         v_scale,
         launch_pdl,
+        key,
+        value,
     ) -> torch.Tensor:
         return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
 
@@ -121,11 +127,11 @@ def compiled_attention(module, query, key, value, scaling, sliding_window, softc
     k_cache, v_cache = module._hfpaged_kv
     scales = module.__dict__.get("_hfpaged_kv_scale")  # fp8 caches: (whole, k_scale, v_scale); never calibrates
     k_scale, v_scale = (None, None) if scales is None else scales[1:]
-    q = query[0].transpose(0, 1)
+    q, key, value = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     launch_pdl = kwargs["hfpaged_launch_pdl"]  # a Python bool: a constant of the compiled graph
     torch.ops.hfpaged.store_kv(
-        key[0].transpose(0, 1),
-        value[0].transpose(0, 1),
+        key,
+        value,
         k_cache,
         v_cache,
         kwargs["hfpaged_slot_mapping"],
@@ -148,6 +154,8 @@ def compiled_attention(module, query, key, value, scaling, sliding_window, softc
         k_scale,
         v_scale,
         launch_pdl,
+        key,  # the step's own keys: prompt chunks read them instead of gathering what was just stored
+        value,
     )
     return out.unsqueeze(0)
 
