@@ -653,6 +653,7 @@ def bench_offline(path: str, conversations: list, args: argparse.Namespace) -> d
     model.generate_many(prompts[: args.warmup_requests], max_new_tokens=args.max_tokens, do_sample=False)
     walls = []
     for _ in range(args.offline_repeats):
+        hfpaged.reset_prefix_cache(model)  # each repeat prefills every prompt (no hits from the last one)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         start = time.perf_counter()
