@@ -9,6 +9,10 @@ window are never visited; tiles wholly inside skip the masking. With num_splits 
 batches that would not fill the GPU) each program covers 1/num_splits of its key range and writes
 an unnormalised partial (acc, max, sum) that ``_merge_splits_kernel`` combines (flash-decoding).
 
+Prompt chunks may also be given the step's own keys/values (``key=``, ``value=``: what ``store_kv`` just wrote):
+the unmasked tiles of keys computed in this step then load whole boxes of those rows by TMA instead of gathering
+per key through the block table (1.2-1.4x prefill attention on the H100; notes/kernels.md, session 15).
+
 Grid and workspace depend only on host integers (shapes and the max_seqlen hints), so the launch
 can be captured in a CUDA graph. Query blocks map to sequences on the device by counting over
 cu_seqlens_q: sequence b owns program ids [cu[b] // BLOCK_Q + b, ...), an upper bound of
