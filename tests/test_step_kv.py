@@ -70,6 +70,22 @@ def test_step_rows_give_the_gathered_result(q_lens, seq_lens, strided):
             assert not changed  # decode rows attend through the cache
 
 
+def test_step_rows_with_window_and_softcap():
+    # a sliding window (its edge tiles stay gathered and masked) and a softcap over the step-row tiles
+    q_lens, seq_lens = [70, 1, 40], [70, 50, 90]
+    batch = make_batch(q_lens, seq_lens, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8,
+                       dtype=torch.float16, table_tail="minus1")  # fmt: skip
+    key, value = step_rows(batch, q_lens, seq_lens)
+    kwargs = dict(scale=32**-0.5, sliding_window=40, softcap=3.0, config=SMALL_PREFILL)
+    gathered = paged_attention_with_config(**batch, **kwargs)
+    with_rows = paged_attention_with_config(**batch, step_kv=(key, value), **kwargs)
+    torch.testing.assert_close(with_rows, gathered, rtol=1e-3, atol=1e-3)
+    ref = paged_attention_reference(**batch, scale=32**-0.5, sliding_window=40, softcap=3.0)
+    torch.testing.assert_close(with_rows.float(), ref.float(), rtol=2e-3, atol=2e-3)
+    zeros = paged_attention_with_config(**batch, step_kv=(key * 0, value * 0), **kwargs)
+    assert not torch.equal(zeros[:70], gathered[:70])  # the prompt's interior tiles inside the window were read
+
+
 def test_public_paged_attention_takes_the_step_rows():
     # the prefill tiles (64 positions x 2 heads, 32 keys): query blocks past the first have whole tiles of the
     # prompt's own keys below them (a block's own diagonal tiles stay masked, through the cache)
