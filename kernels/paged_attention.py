@@ -22,6 +22,7 @@ T // BLOCK_Q + B programs in all (exactly T when BLOCK_Q == 1).
 from __future__ import annotations
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._checks import (
     CACHE_DTYPES,
@@ -132,9 +133,7 @@ def step_kv_usable(q, k_cache, v_cache, key, value) -> bool:
     return True
 
 
-def _step_descriptor(t: torch.Tensor, tile_n: int):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
+def _step_descriptor(t: torch.Tensor, tile_n: int) -> TensorDescriptor:
     return TensorDescriptor(t, shape=list(t.shape), strides=list(t.stride()), block_shape=[tile_n, 1, t.shape[2]])
 
 
@@ -188,7 +187,7 @@ def paged_attention_with_config(
     else:
         split_acc = split_max = split_sum = out  # unused
     k_desc = v_desc = None
-    if step_kv is not None and not split and step_kv_usable(q, k_cache, v_cache, *step_kv):  # no-op if unusable
+    if step_kv is not None and not split and step_kv_usable(q, k_cache, v_cache, *step_kv):  # else ignored
         k_desc, v_desc = (_step_descriptor(t, config.tile_n) for t in step_kv)
     _paged_attention_kernel[(num_programs, num_kv_heads, config.num_splits)](
         out,
@@ -309,8 +308,8 @@ def paged_attention(
     config = config_for_batch(num_tokens, num_seqs, num_heads, q.dtype, k_cache, v_cache, max_seqlen_q, max_seqlen_k)
     if (key is None) != (value is None):
         raise ValueError("key and value go together: give both or neither")
-    use_step_kv = key is not None and step_kv_usable(q, k_cache, v_cache, key, value)
-    use_step_kv = use_step_kv and config.num_splits == 1 and max_seqlen_q >= config.tile_n
+    # prompt tiles only (decode tiles hold no whole tile of keys from the step); checked once, below
+    use_step_kv = key is not None and config.num_splits == 1 and max_seqlen_q >= config.tile_n
     return paged_attention_with_config(
         q,
         k_cache,
