@@ -5,10 +5,14 @@ tiles wholly past a sequence's cached context then load whole boxes of those row
 the output must not change. On the CPU the Triton interpreter runs it in float16 (bf16 is broken there).
 """
 
+import importlib
+
 import pytest
 import torch
+from models import make_model, random_prompts
 from test_kernels import DEVICE, make_batch
 
+import hfpaged
 from hfpaged.kernels import paged_attention, paged_attention_reference
 from hfpaged.kernels.attention_config import AttentionConfig
 from hfpaged.kernels.paged_attention import paged_attention_with_config, step_kv_usable
@@ -143,3 +147,24 @@ def test_gpu_bf16_step_rows(q_lens, seq_lens):
     graph.replay()
     torch.testing.assert_close(captured, out, rtol=0, atol=0)
     assert DEVICE.type == "cuda"
+
+
+def test_engine_passes_the_step_rows_and_keeps_its_tokens(monkeypatch):
+    # fp16 model, Triton kernels (interpreted): prompt steps hand their keys to the kernel, which reads them by TMA;
+    # the greedy tokens equal those of the gathered path (step rows refused), prompts chunked over several steps
+    pa = importlib.import_module("hfpaged.kernels.paged_attention")
+    prompts = random_prompts([150, 90, 7], seed=11)
+    results, built = [], []
+    original = pa._step_descriptor
+    monkeypatch.setattr(pa, "_step_descriptor", lambda t, n: built.append(n) or original(t, n))
+    for usable in (pa.step_kv_usable, lambda *args: False):
+        monkeypatch.setattr(pa, "step_kv_usable", usable)
+        model = make_model("qwen3", num_hidden_layers=2, dtype=torch.float16)
+        hfpaged.patch(model, num_blocks=64, block_size=8, attention_backend="triton", max_num_batched_tokens=128,
+                      async_scheduling=False)  # fmt: skip
+        results.append([o.token_ids for o in model.generate_many(prompts, max_new_tokens=4, do_sample=False)])
+        if not results[1:]:
+            assert built, "no prompt step read its own rows"
+            built.clear()
+    assert not built
+    assert results[0] == results[1]
