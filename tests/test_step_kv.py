@@ -168,3 +168,22 @@ def test_engine_passes_the_step_rows_and_keeps_its_tokens(monkeypatch):
             built.clear()
     assert not built
     assert results[0] == results[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_step_rows_under_preemption(mode, monkeypatch):
+    # a pool too small for the three sequences at once: requests are preempted (recomputed or swapped out and back)
+    # and their prompts prefilled again; the tokens still equal the gathered path's
+    pa = importlib.import_module("hfpaged.kernels.paged_attention")
+    prompts = random_prompts([70, 60, 50], seed=12)
+    results = []
+    for usable in (pa.step_kv_usable, lambda *args: False):
+        monkeypatch.setattr(pa, "step_kv_usable", usable)
+        model = make_model("qwen3", num_hidden_layers=2, dtype=torch.float16)
+        hfpaged.patch(model, num_blocks=20, block_size=8, attention_backend="triton", preemption_mode=mode,
+                      async_scheduling=False)  # fmt: skip
+        results.append([o.token_ids for o in model.generate_many(prompts, max_new_tokens=40, do_sample=False)])
+        st = hfpaged.stats(model)
+        assert st["num_preemptions"] > 0 and st["num_free_blocks"] == st["num_blocks"]
+    assert results[0] == results[1]
