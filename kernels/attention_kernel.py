@@ -58,6 +58,9 @@ def _paged_attention_kernel(
     v_scale_ptr,  # [1] fp32, read when KV_FP8
     k_step_desc,  # STEP_KV: TMA descriptors over the step's own keys / values [T, num_kv_heads, D] (else None)
     v_step_desc,
+    k_ctx_desc,  # CTX_KV: TMA descriptors over the context rows [rows, num_kv_heads, D] (context_rows.py)
+    v_ctx_desc,
+    ctx_offsets_ptr,  # CTX_KV: [B] int32, sequence b's key position p at context row offsets[b] + p; -1 = none
     num_seqs,
     num_splits,
     min_split_tiles,  # SPLIT: a split covers at least this many tiles (short contexts use fewer splits)
@@ -96,6 +99,7 @@ def _paged_attention_kernel(
     SEARCH_BLOCK: tl.constexpr,
     KV_FP8: tl.constexpr,
     STEP_KV: tl.constexpr = False,  # unmasked tiles of keys computed in this step load from the step's rows
+    CTX_KV: tl.constexpr = False,  # unmasked whole tiles of cached context load from the context rows
     FP8_DOT_F16: tl.constexpr = True,  # fp8 caches with bf16 queries: dots in fp16 (False: upcast K/V to bf16)
     USE_PDL: tl.constexpr = False,  # programmatic dependent launch (dependent_launch.py)
 ):
@@ -212,8 +216,18 @@ def _paged_attention_kernel(
         step_tile_begin = tl.minimum(tl.maximum(tl.cdiv(context_len, TILE_N), full_tile_begin), full_tile_end)
     else:
         step_tile_begin = full_tile_end
+    gather_begin = full_tile_begin
+    if CTX_KV:
+        # the interior tiles wholly inside the cached context read the copied context rows (if this sequence has)
+        ctx_offset = tl.load(ctx_offsets_ptr + seq)
+        if ctx_offset >= 0:
+            gather_begin = tl.minimum(tl.maximum(context_len // TILE_N, full_tile_begin), step_tile_begin)
+        acc, m_i, l_i = _attend_step_tiles(
+            acc, m_i, l_i, q, full_tile_begin, gather_begin, ctx_offset, kv_head, k_ctx_desc,
+            v_ctx_desc, qk_scale, softcap, HEAD_DIM_PAD, HEAD_DIM_V_PAD, TILE_N, USE_SOFTCAP, DOT_PRECISION,
+        )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, full_tile_begin, step_tile_begin, q_pos, kv_end, k_head_ptr, v_head_ptr,
+        acc, m_i, l_i, q, gather_begin, step_tile_begin, q_pos, kv_end, k_head_ptr, v_head_ptr,
         block_table_row_ptr, qk_scale, softcap, window,
         stride_k_b, stride_k_s, stride_k_d, stride_v_b, stride_v_s, stride_v_d,
         HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_SIZE, TILE_N,

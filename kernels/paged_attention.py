@@ -11,7 +11,9 @@ an unnormalised partial (acc, max, sum) that ``_merge_splits_kernel`` combines (
 
 Prompt chunks may also be given the step's own keys/values (``key=``, ``value=``: what ``store_kv`` just wrote):
 the unmasked tiles of keys computed in this step then load whole boxes of those rows by TMA instead of gathering
-per key through the block table (1.2-1.4x prefill attention on the H100; notes/kernels.md, session 15).
+per key through the block table (1.2-1.4x prefill attention on the H100; notes/kernels.md, session 15). In steps
+of at least CONTEXT_MIN_TOKENS tokens, the cached context of chunks of at least CONTEXT_MIN_Q tokens is first copied
+into contiguous rows (context_rows.py) and read the same way (session 16).
 
 Grid and workspace depend only on host integers (shapes and the max_seqlen hints), so the launch
 can be captured in a CUDA graph. Query blocks map to sequences on the device by counting over
@@ -37,10 +39,17 @@ from ._checks import (
 )
 from .attention_config import AttentionConfig, choose_config
 from .attention_kernel import _paged_attention_kernel
+from .context_rows import context_capacity, copy_context_rows
 from .dependent_launch import check_launch_pdl, launch_options
 from .split_merge import _merge_splits_kernel
 
 LOG2E = 1.4426950408889634
+# Context rows (context_rows.py): only in steps of at least this many tokens (a smaller step's copy launch would cost
+# more than it saves), for chunks of at least CONTEXT_MIN_Q query tokens (each context tile is then read by several
+# query blocks), in a scratch of at most CONTEXT_MAX_BYTES.
+CONTEXT_MIN_TOKENS = 2048
+CONTEXT_MIN_Q = 256
+CONTEXT_MAX_BYTES = 64 << 20
 
 
 def _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale) -> None:
@@ -155,12 +164,17 @@ def paged_attention_with_config(
     v_scale: torch.Tensor | None = None,
     launch_pdl: bool = False,
     step_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    context_rows: int = 0,
+    context_min_q: int = CONTEXT_MIN_Q,
 ) -> torch.Tensor:
     """paged_attention with an explicit tile config (tests, tuning); arguments are not re-checked.
 
     ``out`` (contiguous ``[T, num_heads, head_dim_v]`` in q's dtype) is written in place when given. ``step_kv``:
     the step's own keys and values ``[T, num_kv_heads, D]`` (already stored), which unmasked tiles of keys computed
     in this step then read by TMA (``step_kv_usable`` says when that applies; otherwise they are ignored).
+    ``context_rows`` > 0 (a multiple of the tile; with usable ``step_kv`` and no sliding window, else ignored): first
+    copy the whole-tile cached context of chunks of at least ``context_min_q`` tokens into that many contiguous rows,
+    which those tiles then read by TMA.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -186,9 +200,15 @@ def paged_attention_with_config(
         split_sum = torch.empty(rows, dtype=torch.float32, device=q.device)
     else:
         split_acc = split_max = split_sum = out  # unused
-    k_desc = v_desc = None
+    k_desc = v_desc = k_ctx_desc = v_ctx_desc = ctx_offsets = None
     if step_kv is not None and not split and step_kv_usable(q, k_cache, v_cache, *step_kv):  # else ignored
         k_desc, v_desc = (_step_descriptor(t, config.tile_n) for t in step_kv)
+        if context_rows > 0 and not use_window:
+            *rows, ctx_offsets = copy_context_rows(
+                k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, capacity=context_rows,
+                tile_n=config.tile_n, min_q=context_min_q, search_block=search_block(num_seqs), launch_pdl=launch_pdl,
+            )  # fmt: skip
+            k_ctx_desc, v_ctx_desc = (_step_descriptor(t, config.tile_n) for t in rows)
     _paged_attention_kernel[(num_programs, num_kv_heads, config.num_splits)](
         out,
         split_acc,
@@ -204,6 +224,9 @@ def paged_attention_with_config(
         v_scale if fp8 else seq_lens,
         k_desc,
         v_desc,
+        k_ctx_desc,
+        v_ctx_desc,
+        ctx_offsets,
         num_seqs,
         config.num_splits,
         config.min_split_tiles,
@@ -234,6 +257,7 @@ def paged_attention_with_config(
         SEARCH_BLOCK=search_block(num_seqs),
         KV_FP8=fp8,
         STEP_KV=k_desc is not None,
+        CTX_KV=ctx_offsets is not None,
         USE_PDL=launch_pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -325,4 +349,8 @@ def paged_attention(
         v_scale=v_scale,
         launch_pdl=launch_pdl,
         step_kv=(key, value) if use_step_kv else None,
+        context_rows=context_capacity(num_tokens, k_cache, v_cache, config.tile_n, CONTEXT_MAX_BYTES)
+        if use_step_kv and num_tokens >= CONTEXT_MIN_TOKENS
+        else 0,
+        context_min_q=CONTEXT_MIN_Q,
     )
