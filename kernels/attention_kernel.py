@@ -99,7 +99,7 @@ def _paged_attention_kernel(
     SEARCH_BLOCK: tl.constexpr,
     KV_FP8: tl.constexpr,
     STEP_KV: tl.constexpr = False,  # unmasked tiles of keys computed in this step load from the step's rows
-    CTX_KV: tl.constexpr = False,  # unmasked whole tiles of cached context load from the context rows
+    CTX_KV: tl.constexpr = False,  # unmasked whole tiles of cached context (fp8: of all keys) load from copied rows
     FP8_DOT_F16: tl.constexpr = True,  # fp8 caches with bf16 queries: dots in fp16 (False: upcast K/V to bf16)
     USE_PDL: tl.constexpr = False,  # programmatic dependent launch (dependent_launch.py)
 ):
@@ -220,8 +220,12 @@ def _paged_attention_kernel(
     if CTX_KV:
         # the interior tiles wholly inside the cached context read the copied context rows (if this sequence has)
         ctx_offset = tl.load(ctx_offsets_ptr + seq)
+        if KV_FP8:
+            rows_end = seq_len // TILE_N  # fp8 caches: rows for the whole sequence (no step rows)
+        else:
+            rows_end = context_len // TILE_N
         if ctx_offset >= 0:
-            gather_begin = tl.minimum(tl.maximum(context_len // TILE_N, full_tile_begin), step_tile_begin)
+            gather_begin = tl.minimum(tl.maximum(rows_end, full_tile_begin), step_tile_begin)
         acc, m_i, l_i = _attend_step_tiles(
             acc, m_i, l_i, q, full_tile_begin, gather_begin, ctx_offset, kv_head, k_ctx_desc,
             v_ctx_desc, qk_scale, softcap, HEAD_DIM_PAD, HEAD_DIM_V_PAD, TILE_N, USE_SOFTCAP, DOT_PRECISION,

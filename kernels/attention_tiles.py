@@ -150,12 +150,12 @@ def _attend_step_tiles(
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # Unmasked tiles whose keys were all computed in this step: whole [TILE_N, D] boxes of the step's contiguous
-    # rows by TMA instead of per-key gathers through the block table (the cache holds the same values).
+    # Unmasked tiles whose keys are in contiguous rows (the step's own, or copied by context_rows.py): whole
+    # [TILE_N, D] boxes by TMA instead of per-key gathers through the block table (the cache holds the same values).
     for tile in range(tile_begin, tile_end):
         row = row_offset + tile * TILE_N
-        k = k_step_desc.load([row, kv_head, 0]).reshape(TILE_N, HEAD_DIM_PAD)
-        v = v_step_desc.load([row, kv_head, 0]).reshape(TILE_N, HEAD_DIM_V_PAD)
+        k = k_step_desc.load([row, kv_head, 0]).reshape(TILE_N, HEAD_DIM_PAD).to(q.dtype)  # fp8 rows: as gathered
+        v = v_step_desc.load([row, kv_head, 0]).reshape(TILE_N, HEAD_DIM_V_PAD).to(q.dtype)
         acc, m_i, l_i = _online_softmax_step(
             acc, m_i, l_i, q, tl.trans(k), v, tile, tile, qk_scale, softcap, 0,
             USE_SOFTCAP, False, False, DOT_PRECISION,

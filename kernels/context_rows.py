@@ -4,7 +4,8 @@ A prompt chunk that follows a cached context (the second chunk of a long prompt,
 hit) reads that context in every query block of every KV head. Through the block table each of those reads is a
 per-key gather; ``paged_attention`` instead has this kernel copy the whole-tile part of each such context once per
 call into a scratch ``[rows, num_kv_heads, D]`` (bitwise the cache's values), which the attention kernel then reads
-by TMA boxes like the step's own rows (notes/kernels.md, session 16).
+by TMA boxes like the step's own rows (notes/kernels.md, session 16). fp8 caches, whose step rows are not the
+cache's (quantized) values, copy every whole tile of the sequence instead, the step's just stored keys included.
 
 Which sequences get rows is decided on the device from the step's metadata only (CUDA-graph safe): a sequence
 whose chunk has at least ``min_q`` query tokens gets ``context // TILE_N * TILE_N`` rows at the running offset, as
@@ -50,6 +51,7 @@ def _context_rows_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
+    WHOLE_SEQUENCE: tl.constexpr,  # rows for every key of the sequence (fp8 caches), not only its cached context
     USE_PDL: tl.constexpr,
 ):
     # Program (p, kv_head) copies scratch rows [p * TILE_N, (p + 1) * TILE_N) of one KV head; every sequence's rows
@@ -62,8 +64,9 @@ def _context_rows_kernel(
     carry = 0
     for chunk in range(0, tl.cdiv(num_seqs, SEARCH_BLOCK)):
         b, first, ok, end, carry = _chunk_rows(
-            cu_seqlens_q_ptr, seq_lens_ptr, num_seqs, capacity, min_q, chunk, carry, TILE_N, SEARCH_BLOCK
-        )
+            cu_seqlens_q_ptr, seq_lens_ptr, num_seqs, capacity, min_q, chunk, carry,
+            TILE_N, SEARCH_BLOCK, WHOLE_SEQUENCE,
+        )  # fmt: skip
         hit = ok & (first <= row0) & (row0 < end)
         found += tl.sum(hit.to(tl.int32), 0)
         my_seq += tl.sum(tl.where(hit, b, 0), 0)
@@ -74,8 +77,9 @@ def _context_rows_kernel(
         carry = 0
         for chunk in range(0, tl.cdiv(num_seqs, SEARCH_BLOCK)):
             b, first, ok, end, carry = _chunk_rows(
-                cu_seqlens_q_ptr, seq_lens_ptr, num_seqs, capacity, min_q, chunk, carry, TILE_N, SEARCH_BLOCK
-            )
+                cu_seqlens_q_ptr, seq_lens_ptr, num_seqs, capacity, min_q, chunk, carry,
+                TILE_N, SEARCH_BLOCK, WHOLE_SEQUENCE,
+            )  # fmt: skip
             tl.store(offsets_ptr + b, tl.where(ok, first, -1), mask=b < num_seqs)
     if found == 0:
         return
@@ -95,13 +99,15 @@ def _context_rows_kernel(
 
 @triton.jit
 def _chunk_rows(cu_seqlens_q_ptr, seq_lens_ptr, num_seqs, capacity, min_q, chunk, carry, TILE_N: tl.constexpr,
-                SEARCH_BLOCK: tl.constexpr):  # fmt: skip
+                SEARCH_BLOCK: tl.constexpr, WHOLE_SEQUENCE: tl.constexpr):  # fmt: skip
     # Sequences [chunk * SEARCH_BLOCK, ...): (ids, first row, has rows, end row, rows before the next chunk).
     b = chunk * SEARCH_BLOCK + tl.arange(0, SEARCH_BLOCK)
     real = b < num_seqs
     q_len = tl.load(cu_seqlens_q_ptr + b + 1, mask=real, other=0) - tl.load(cu_seqlens_q_ptr + b, mask=real, other=0)
-    context = tl.load(seq_lens_ptr + b, mask=real, other=0) - q_len
-    rows = tl.where(real & (q_len >= min_q), context // TILE_N * TILE_N, 0)
+    keys = tl.load(seq_lens_ptr + b, mask=real, other=0)
+    if not WHOLE_SEQUENCE:
+        keys -= q_len  # the cached context only
+    rows = tl.where(real & (q_len >= min_q), keys // TILE_N * TILE_N, 0)
     end = tl.cumsum(rows, 0) + carry
     first = end - rows
     ok = (rows > 0) & (end <= capacity)
@@ -127,12 +133,13 @@ def copy_context_rows(
     tile_n: int,
     min_q: int,
     search_block: int,
+    whole_sequence: bool = False,
     launch_pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (k_rows, v_rows, offsets): the whole-tile part of the cached context of every chunk of at least ``min_q``
-    query tokens, as contiguous rows ``[capacity, num_kv_heads, D]`` (sequence b's key position p at row
-    ``offsets[b] + p``; ``offsets[b] == -1``: no rows). Arguments as ``paged_attention`` checked them; the caches
-    hold 16-bit values and power-of-two heads."""
+    """-> (k_rows, v_rows, offsets): the whole-tile part of the cached context (``whole_sequence``: of all the keys,
+    the step's just stored included) of every chunk of at least ``min_q`` query tokens, as contiguous rows
+    ``[capacity, num_kv_heads, D]`` in the cache's dtype (sequence b's key position p at row ``offsets[b] + p``;
+    ``offsets[b] == -1``: no rows). Arguments as ``paged_attention`` checked them; power-of-two heads."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     head_dim_v = v_cache.shape[3]
     if head_dim != next_power_of_2(head_dim) or head_dim_v != next_power_of_2(head_dim_v):
@@ -165,6 +172,7 @@ def copy_context_rows(
         BLOCK_SIZE=block_size,
         TILE_N=tile_n,
         SEARCH_BLOCK=search_block,
+        WHOLE_SEQUENCE=whole_sequence,
         USE_PDL=launch_pdl,
         num_warps=4,
         **launch_options(launch_pdl),

@@ -13,7 +13,8 @@ Prompt chunks may also be given the step's own keys/values (``key=``, ``value=``
 the unmasked tiles of keys computed in this step then load whole boxes of those rows by TMA instead of gathering
 per key through the block table (1.2-1.4x prefill attention on the H100; notes/kernels.md, session 15). In steps
 of at least CONTEXT_MIN_TOKENS tokens, the cached context of chunks of at least CONTEXT_MIN_Q tokens is first copied
-into contiguous rows (context_rows.py) and read the same way (session 16).
+into contiguous rows (context_rows.py) and read the same way (session 16); with fp8 caches, whose step rows are
+not the stored (quantized) values, all the keys of such chunks are copied instead.
 
 Grid and workspace depend only on host integers (shapes and the max_seqlen hints), so the launch
 can be captured in a CUDA graph. Query blocks map to sequences on the device by counting over
@@ -132,14 +133,27 @@ def step_kv_usable(q, k_cache, v_cache, key, value) -> bool:
             )
     if q.dtype not in (torch.float16, torch.bfloat16) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         return False
-    head_dim = k_cache.shape[3]
-    if v_cache.shape[3] != head_dim or head_dim > 128 or head_dim != next_power_of_2(max(16, head_dim)):
+    if not _tma_heads(k_cache, v_cache):
         return False
     for t in (key, value):
         size = t.element_size()
         if t.stride(2) != 1 or t.data_ptr() % 16 or (t.stride(0) * size) % 16 or (t.stride(1) * size) % 16:
             return False
     return True
+
+
+def _tma_heads(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """K and V heads of one power-of-two width of at most 128 (one TMA box row)."""
+    head_dim = k_cache.shape[3]
+    return v_cache.shape[3] == head_dim and head_dim <= 128 and head_dim == next_power_of_2(max(16, head_dim))
+
+
+def context_rows_usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the cache can be copied into rows the kernel reads by TMA (context_rows.py): 16-bit caches of q's dtype
+    or fp8 caches (rows of the whole sequence then), heads as ``_tma_heads``."""
+    fp8 = k_cache.dtype in FP8_DTYPES and v_cache.dtype == k_cache.dtype
+    same = q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
+    return (fp8 or same) and _tma_heads(k_cache, v_cache)
 
 
 def _step_descriptor(t: torch.Tensor, tile_n: int) -> TensorDescriptor:
@@ -172,9 +186,9 @@ def paged_attention_with_config(
     ``out`` (contiguous ``[T, num_heads, head_dim_v]`` in q's dtype) is written in place when given. ``step_kv``:
     the step's own keys and values ``[T, num_kv_heads, D]`` (already stored), which unmasked tiles of keys computed
     in this step then read by TMA (``step_kv_usable`` says when that applies; otherwise they are ignored).
-    ``context_rows`` > 0 (a multiple of the tile; with usable ``step_kv`` and no sliding window, else ignored): first
-    copy the whole-tile cached context of chunks of at least ``context_min_q`` tokens into that many contiguous rows,
-    which those tiles then read by TMA.
+    ``context_rows`` > 0 (a multiple of the tile; with ``step_kv`` given, no sliding window and
+    ``context_rows_usable``, else ignored): first copy the whole-tile cached context (fp8 caches: all the keys) of
+    chunks of at least ``context_min_q`` tokens into that many contiguous rows, which those tiles then read by TMA.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -201,12 +215,13 @@ def paged_attention_with_config(
     else:
         split_acc = split_max = split_sum = out  # unused
     k_desc = v_desc = k_ctx_desc = v_ctx_desc = ctx_offsets = None
-    if step_kv is not None and not split and step_kv_usable(q, k_cache, v_cache, *step_kv):  # else ignored
-        k_desc, v_desc = (_step_descriptor(t, config.tile_n) for t in step_kv)
-        if context_rows > 0 and not use_window:
+    if step_kv is not None and not split:  # else ignored
+        if step_kv_usable(q, k_cache, v_cache, *step_kv):
+            k_desc, v_desc = (_step_descriptor(t, config.tile_n) for t in step_kv)
+        if context_rows > 0 and not use_window and context_rows_usable(q, k_cache, v_cache):
             *rows, ctx_offsets = copy_context_rows(
-                k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, capacity=context_rows,
-                tile_n=config.tile_n, min_q=context_min_q, search_block=search_block(num_seqs), launch_pdl=launch_pdl,
+                k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, capacity=context_rows, tile_n=config.tile_n,
+                min_q=context_min_q, search_block=search_block(num_seqs), whole_sequence=fp8, launch_pdl=launch_pdl,
             )  # fmt: skip
             k_ctx_desc, v_ctx_desc = (_step_descriptor(t, config.tile_n) for t in rows)
     _paged_attention_kernel[(num_programs, num_kv_heads, config.num_splits)](

@@ -11,6 +11,7 @@ import importlib
 import pytest
 import torch
 from models import make_model, random_prompts
+from test_fp8_kernels import fp8_batch
 from test_kernels import DEVICE, make_batch
 from test_step_kv import SMALL_PREFILL, step_rows
 
@@ -83,6 +84,45 @@ def test_context_rows_give_the_gathered_result(monkeypatch):
         assert changed == (b in (2, 4)), f"sequence {b}"
 
 
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("q_dtype", [torch.float16, torch.float32])
+def test_fp8_caches_copy_whole_sequences(fmt, q_dtype, monkeypatch):
+    # fp8 caches: the step's rows are not the stored (quantized) keys, so the rows cover every whole tile of the
+    # sequence, its own just stored keys included; the kernel converts them as it converts gathered tiles
+    batch, _ = fp8_batch(Q_LENS, SEQ_LENS, fmt, q_dtype, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8)
+    k_cache, v_cache, tables = batch["k_cache"], batch["v_cache"], batch["block_tables"]
+    k_rows, v_rows, offsets = copy_context_rows(
+        k_cache, v_cache, tables, batch["seq_lens"], batch["cu_seqlens_q"], capacity=192, tile_n=16, min_q=20,
+        search_block=64, whole_sequence=True,
+    )  # fmt: skip
+    # b=0 (40 keys -> 32 rows), b=2 (81 -> 80 rows); b=4 (120 -> 112 rows) would end past the 192 rows
+    assert offsets.tolist() == [0, -1, 32, -1, -1, -1, -1]
+    for b, first, rows in ((0, 0, 32), (2, 32, 80)):
+        pos = torch.arange(rows)
+        blocks = tables[b, pos // 8].long()
+        assert torch.equal(k_rows[first : first + rows].view(torch.uint8), k_cache[blocks, pos % 8].view(torch.uint8))
+        assert torch.equal(v_rows[first : first + rows].view(torch.uint8), v_cache[blocks, pos % 8].view(torch.uint8))
+    step_kv = tuple(torch.zeros(sum(Q_LENS), 2, 32, dtype=q_dtype) for _ in range(2))  # unquantized: never read
+    kwargs = dict(scale=32**-0.5, config=SMALL_PREFILL)
+    gathered = paged_attention_with_config(**batch, **kwargs)
+    with_rows = paged_attention_with_config(**batch, step_kv=step_kv, context_rows=192, context_min_q=20, **kwargs)
+    if q_dtype == torch.float16:
+        assert torch.equal(with_rows, gathered)
+    else:  # float32 dots of the same values, the keys' tile laid out otherwise: the interpreter's summation order
+        torch.testing.assert_close(with_rows, gathered, rtol=1e-5, atol=1e-6)
+
+    def zeroed(*args, **kw):
+        k_rows, v_rows, offsets = copy_context_rows(*args, **kw)
+        return torch.zeros_like(k_rows), torch.zeros_like(v_rows), offsets
+
+    monkeypatch.setattr(pa, "copy_context_rows", zeroed)
+    zeros = paged_attention_with_config(**batch, step_kv=step_kv, context_rows=192, context_min_q=20, **kwargs)
+    cu = batch["cu_seqlens_q"].tolist()
+    for b in range(len(Q_LENS)):
+        changed = not torch.equal(zeros[cu[b] : cu[b + 1]], gathered[cu[b] : cu[b + 1]])
+        assert changed == (b in (0, 2)), f"sequence {b}"
+
+
 def test_context_rows_with_softcap_and_not_with_a_window(monkeypatch):
     batch = small_batch()
     key, value = step_rows(batch, Q_LENS, SEQ_LENS)
@@ -130,9 +170,11 @@ def spy_on_copies(monkeypatch) -> list[torch.Tensor]:
     return copied
 
 
-def test_engine_copies_context_rows_and_keeps_its_tokens(monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_engine_copies_context_rows_and_keeps_its_tokens(kv_cache_dtype, monkeypatch):
     # fp16 model, Triton kernels (interpreted), prompts chunked over several steps with the thresholds lowered:
-    # chunks after the first read their context from copied rows; the greedy tokens equal those without the copy
+    # chunks after the first read their context (fp8 caches: all their keys) from copied rows; the greedy tokens
+    # equal those without the copy
     prompts = random_prompts([300, 90, 7], seed=11)
     results = []
     copied = spy_on_copies(monkeypatch)
@@ -141,7 +183,7 @@ def test_engine_copies_context_rows_and_keeps_its_tokens(monkeypatch):
         monkeypatch.setattr(pa, "CONTEXT_MIN_TOKENS", min_tokens)
         model = make_model("qwen3", num_hidden_layers=2, dtype=torch.float16)
         hfpaged.patch(model, num_blocks=64, block_size=8, attention_backend="triton", max_num_batched_tokens=128,
-                      async_scheduling=False)  # fmt: skip
+                      async_scheduling=False, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
         results.append([o.token_ids for o in model.generate_many(prompts, max_new_tokens=4, do_sample=False)])
         st = hfpaged.stats(model)
         assert st["num_free_blocks"] == st["num_blocks"]
@@ -195,3 +237,25 @@ def test_gpu_bf16_context_rows(q_lens, seq_lens):
     graph.replay()
     torch.testing.assert_close(captured, out, rtol=0, atol=0)
     assert DEVICE.type == "cuda"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_gpu_fp8_context_rows(fmt, monkeypatch):
+    # bf16 queries over an fp8 cache (dots in fp16): a fresh prompt, a chunk after 2k cached keys, decode rows; the
+    # rows of the whole sequences give the gathered result bitwise, also replayed from a CUDA graph
+    q_lens, seq_lens = [3000, 1, 2048, 1], [5000, 900, 2048, 3000]
+    batch, _ = fp8_batch(q_lens, seq_lens, fmt, torch.bfloat16, num_heads=16, num_kv_heads=8, head_dim=128,
+                         block_size=16, table_tail="minus1")  # fmt: skip
+    step_kv = tuple(torch.zeros(sum(q_lens), 8, 128, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+    kwargs = dict(scale=128**-0.5, max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens))
+    assert sum(q_lens) >= pa.CONTEXT_MIN_TOKENS
+    copied = spy_on_copies(monkeypatch)
+    out = paged_attention(**batch, key=step_kv[0], value=step_kv[1], **kwargs)
+    assert [o.tolist() for o in copied] == [[0, -1, 4992, -1]]  # 5000 -> 4992 rows, then 2048 rows
+    torch.testing.assert_close(out, paged_attention(**batch, **kwargs), rtol=0, atol=0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = paged_attention(**batch, key=step_kv[0], value=step_kv[1], **kwargs)
+    graph.replay()
+    torch.testing.assert_close(captured, out, rtol=0, atol=0)
