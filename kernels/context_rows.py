@@ -5,7 +5,8 @@ hit) reads that context in every query block of every KV head. Through the block
 per-key gather; ``paged_attention`` instead has this kernel copy the whole-tile part of each such context once per
 call into a scratch ``[rows, num_kv_heads, D]`` (bitwise the cache's values), which the attention kernel then reads
 by TMA boxes like the step's own rows (notes/kernels.md, session 16). fp8 caches, whose step rows are not the
-cache's (quantized) values, copy every whole tile of the sequence instead, the step's just stored keys included.
+cache's (quantized) values, copy every whole tile of the sequence instead, the step's just stored keys included,
+converted once to the dtype the attention tiles would convert them to (so the tile loop converts nothing).
 
 Which sequences get rows is decided on the device from the step's metadata only (CUDA-graph safe): a sequence
 whose chunk has at least ``min_q`` query tokens gets ``context // TILE_N * TILE_N`` rows at the running offset, as
@@ -90,11 +91,11 @@ def _context_rows_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     k_src = k_cache_ptr + (block_ids * stride_k_b + slot * stride_k_s + kv_head * stride_k_h)[:, None]
     k = tl.load(k_src + offs_d[None, :] * stride_k_d)
-    tl.store(k_rows_ptr + (rows_out * HEAD_DIM)[:, None] + offs_d[None, :], k)
+    tl.store(k_rows_ptr + (rows_out * HEAD_DIM)[:, None] + offs_d[None, :], k.to(k_rows_ptr.dtype.element_ty))
     offs_dv = tl.arange(0, HEAD_DIM_V)
     v_src = v_cache_ptr + (block_ids * stride_v_b + slot * stride_v_s + kv_head * stride_v_h)[:, None]
     v = tl.load(v_src + offs_dv[None, :] * stride_v_d)
-    tl.store(v_rows_ptr + (rows_out * HEAD_DIM_V)[:, None] + offs_dv[None, :], v)
+    tl.store(v_rows_ptr + (rows_out * HEAD_DIM_V)[:, None] + offs_dv[None, :], v.to(v_rows_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -114,11 +115,11 @@ def _chunk_rows(cu_seqlens_q_ptr, seq_lens_ptr, num_seqs, capacity, min_q, chunk
     return b, first, ok, end, carry + tl.sum(rows, 0)
 
 
-def context_capacity(num_tokens: int, k_cache: torch.Tensor, v_cache: torch.Tensor, tile_n: int,
-                     max_bytes: int) -> int:  # fmt: skip
-    """Rows of the context scratch for a step of ``num_tokens`` tokens: twice the step's tokens, at most
-    ``max_bytes`` of K and V rows, a multiple of ``tile_n`` (0: too small to hold a tile)."""
-    row_bytes = k_cache.shape[2] * (k_cache.shape[3] + v_cache.shape[3]) * k_cache.element_size()
+def context_capacity(num_tokens: int, k_cache: torch.Tensor, v_cache: torch.Tensor, tile_n: int, max_bytes: int,
+                     rows_dtype: torch.dtype) -> int:  # fmt: skip
+    """Rows of the context scratch (in ``rows_dtype``) for a step of ``num_tokens`` tokens: twice the step's tokens,
+    at most ``max_bytes`` of K and V rows, a multiple of ``tile_n`` (0: too small to hold a tile)."""
+    row_bytes = k_cache.shape[2] * (k_cache.shape[3] + v_cache.shape[3]) * rows_dtype.itemsize
     return min(2 * num_tokens, max_bytes // row_bytes) // tile_n * tile_n
 
 
@@ -134,12 +135,14 @@ def copy_context_rows(
     min_q: int,
     search_block: int,
     whole_sequence: bool = False,
+    rows_dtype: torch.dtype | None = None,
     launch_pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (k_rows, v_rows, offsets): the whole-tile part of the cached context (``whole_sequence``: of all the keys,
     the step's just stored included) of every chunk of at least ``min_q`` query tokens, as contiguous rows
-    ``[capacity, num_kv_heads, D]`` in the cache's dtype (sequence b's key position p at row ``offsets[b] + p``;
-    ``offsets[b] == -1``: no rows). Arguments as ``paged_attention`` checked them; power-of-two heads."""
+    ``[capacity, num_kv_heads, D]`` (sequence b's key position p at row ``offsets[b] + p``; ``offsets[b] == -1``: no
+    rows), converted to ``rows_dtype`` (default: the cache's; fp8 caches convert exactly to 16- or 32-bit floats).
+    Arguments as ``paged_attention`` checked them; power-of-two heads."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     head_dim_v = v_cache.shape[3]
     if head_dim != next_power_of_2(head_dim) or head_dim_v != next_power_of_2(head_dim_v):
@@ -148,8 +151,8 @@ def copy_context_rows(
         raise ValueError(f"capacity must be a positive multiple of tile_n={tile_n}, got {capacity}")
     num_seqs = seq_lens.shape[0]
     device = k_cache.device
-    k_rows = torch.empty(capacity, num_kv_heads, head_dim, dtype=k_cache.dtype, device=device)
-    v_rows = torch.empty(capacity, num_kv_heads, head_dim_v, dtype=v_cache.dtype, device=device)
+    k_rows = torch.empty(capacity, num_kv_heads, head_dim, dtype=rows_dtype or k_cache.dtype, device=device)
+    v_rows = torch.empty(capacity, num_kv_heads, head_dim_v, dtype=rows_dtype or v_cache.dtype, device=device)
     offsets = torch.empty(num_seqs, dtype=torch.int32, device=device)
     _context_rows_kernel[(capacity // tile_n, num_kv_heads)](
         k_rows,

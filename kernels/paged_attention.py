@@ -156,6 +156,14 @@ def context_rows_usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return (fp8 or same) and _tma_heads(k_cache, v_cache)
 
 
+def context_rows_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the copied rows: the cache's for 16-bit caches; for fp8 caches the one the attention tiles convert
+    K/V to (fp16 for 16-bit queries, whose dots then run in fp16; q's dtype otherwise)."""
+    if cache_dtype not in FP8_DTYPES:
+        return cache_dtype
+    return torch.float16 if q_dtype in (torch.float16, torch.bfloat16) else q_dtype
+
+
 def _step_descriptor(t: torch.Tensor, tile_n: int) -> TensorDescriptor:
     return TensorDescriptor(t, shape=list(t.shape), strides=list(t.stride()), block_shape=[tile_n, 1, t.shape[2]])
 
@@ -221,7 +229,8 @@ def paged_attention_with_config(
         if context_rows > 0 and not use_window and context_rows_usable(q, k_cache, v_cache):
             *rows, ctx_offsets = copy_context_rows(
                 k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, capacity=context_rows, tile_n=config.tile_n,
-                min_q=context_min_q, search_block=search_block(num_seqs), whole_sequence=fp8, launch_pdl=launch_pdl,
+                min_q=context_min_q, search_block=search_block(num_seqs), whole_sequence=fp8,
+                rows_dtype=context_rows_dtype(q.dtype, k_cache.dtype), launch_pdl=launch_pdl,
             )  # fmt: skip
             k_ctx_desc, v_ctx_desc = (_step_descriptor(t, config.tile_n) for t in rows)
     _paged_attention_kernel[(num_programs, num_kv_heads, config.num_splits)](
@@ -364,7 +373,9 @@ def paged_attention(
         v_scale=v_scale,
         launch_pdl=launch_pdl,
         step_kv=(key, value) if use_step_kv else None,
-        context_rows=context_capacity(num_tokens, k_cache, v_cache, config.tile_n, CONTEXT_MAX_BYTES)
+        context_rows=context_capacity(
+            num_tokens, k_cache, v_cache, config.tile_n, CONTEXT_MAX_BYTES, context_rows_dtype(q.dtype, k_cache.dtype)
+        )
         if use_step_kv and num_tokens >= CONTEXT_MIN_TOKENS
         else 0,
         context_min_q=CONTEXT_MIN_Q,

@@ -18,7 +18,7 @@ from test_step_kv import SMALL_PREFILL, step_rows
 import hfpaged
 from hfpaged.kernels import paged_attention, paged_attention_reference
 from hfpaged.kernels.context_rows import context_capacity, copy_context_rows
-from hfpaged.kernels.paged_attention import paged_attention_with_config
+from hfpaged.kernels.paged_attention import context_rows_dtype, paged_attention_with_config
 
 pa = importlib.import_module("hfpaged.kernels.paged_attention")
 
@@ -53,9 +53,11 @@ def test_copied_rows_are_the_cached_context(search_block):
 def test_capacity_is_a_whole_number_of_tiles_within_the_byte_cap():
     batch = small_batch()
     k_cache, v_cache = batch["k_cache"], batch["v_cache"]  # 2 heads x (32 + 32) x 2 bytes = 256 bytes a row
-    assert context_capacity(100, k_cache, v_cache, 16, 1 << 20) == 192  # twice the step's tokens, whole tiles
-    assert context_capacity(1000, k_cache, v_cache, 16, 256 * 100) == 96  # 100 rows' bytes -> 96
-    assert context_capacity(4, k_cache, v_cache, 16, 1 << 20) == 0
+    half = torch.float16
+    assert context_capacity(100, k_cache, v_cache, 16, 1 << 20, half) == 192  # twice the step's tokens, whole tiles
+    assert context_capacity(1000, k_cache, v_cache, 16, 256 * 100, half) == 96  # 100 rows' bytes -> 96
+    assert context_capacity(1000, k_cache, v_cache, 16, 256 * 100, torch.float32) == 48  # rows twice as wide
+    assert context_capacity(4, k_cache, v_cache, 16, 1 << 20, half) == 0
     with pytest.raises(ValueError, match="capacity must be a positive multiple of tile_n=16, got 40"):
         copy_context_rows(k_cache, v_cache, batch["block_tables"], batch["seq_lens"], batch["cu_seqlens_q"],
                           capacity=40, tile_n=16, min_q=1, search_block=64)  # fmt: skip
@@ -91,17 +93,22 @@ def test_fp8_caches_copy_whole_sequences(fmt, q_dtype, monkeypatch):
     # sequence, its own just stored keys included; the kernel converts them as it converts gathered tiles
     batch, _ = fp8_batch(Q_LENS, SEQ_LENS, fmt, q_dtype, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8)
     k_cache, v_cache, tables = batch["k_cache"], batch["v_cache"], batch["block_tables"]
+    rows_dtype = context_rows_dtype(q_dtype, fmt)
+    assert rows_dtype == (torch.float16 if q_dtype == torch.float16 else torch.float32)
     k_rows, v_rows, offsets = copy_context_rows(
         k_cache, v_cache, tables, batch["seq_lens"], batch["cu_seqlens_q"], capacity=192, tile_n=16, min_q=20,
-        search_block=64, whole_sequence=True,
+        search_block=64, whole_sequence=True, rows_dtype=rows_dtype,
     )  # fmt: skip
     # b=0 (40 keys -> 32 rows), b=2 (81 -> 80 rows); b=4 (120 -> 112 rows) would end past the 192 rows
     assert offsets.tolist() == [0, -1, 32, -1, -1, -1, -1]
     for b, first, rows in ((0, 0, 32), (2, 32, 80)):
         pos = torch.arange(rows)
         blocks = tables[b, pos // 8].long()
-        assert torch.equal(k_rows[first : first + rows].view(torch.uint8), k_cache[blocks, pos % 8].view(torch.uint8))
-        assert torch.equal(v_rows[first : first + rows].view(torch.uint8), v_cache[blocks, pos % 8].view(torch.uint8))
+        # converted once, exactly (every fp8 value is a 16-bit float)
+        assert torch.equal(k_rows[first : first + rows], k_cache[blocks, pos % 8].to(rows_dtype))
+        assert torch.equal(v_rows[first : first + rows], v_cache[blocks, pos % 8].to(rows_dtype))
+    assert context_rows_dtype(torch.bfloat16, fmt) == torch.float16  # bf16 queries dot fp8 tiles in fp16
+    assert context_rows_dtype(torch.bfloat16, torch.bfloat16) == torch.bfloat16
     step_kv = tuple(torch.zeros(sum(Q_LENS), 2, 32, dtype=q_dtype) for _ in range(2))  # unquantized: never read
     kwargs = dict(scale=32**-0.5, config=SMALL_PREFILL)
     gathered = paged_attention_with_config(**batch, **kwargs)
