@@ -266,3 +266,41 @@ def test_gpu_fp8_context_rows(fmt, monkeypatch):
         captured = paged_attention(**batch, key=step_kv[0], value=step_kv[1], **kwargs)
     graph.replay()
     torch.testing.assert_close(captured, out, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_context_rows_with_overlapped_steps_callers_and_changed_weights(monkeypatch):
+    # overlapped (async) steps, two callers at once sharing the engine's steps, then a weight changed in place and
+    # a second round: the tokens with the copy equal those without it, call for call
+    from test_concurrency import run_threads
+
+    calls = [random_prompts([260, 40, 150], seed=21), random_prompts([300, 9], seed=22)]
+    monkeypatch.setattr(pa, "CONTEXT_MIN_Q", 32)
+    copied = spy_on_copies(monkeypatch)
+    results = []
+    for min_tokens in (64, 1 << 30):
+        monkeypatch.setattr(pa, "CONTEXT_MIN_TOKENS", min_tokens)
+        model = make_model("qwen3", num_hidden_layers=2, dtype=torch.float16)
+        hfpaged.patch(model, num_blocks=96, block_size=8, attention_backend="triton", max_num_batched_tokens=128,
+                      async_scheduling=True)  # fmt: skip
+        got = []
+        for _ in range(2):
+            outs = [None] * len(calls)
+
+            def caller(i, model=model, outs=outs):
+                def run():
+                    outs[i] = [o.token_ids for o in model.generate_many(calls[i], max_new_tokens=6, do_sample=False)]
+
+                return run
+
+            run_threads(*(caller(i) for i in range(len(calls))))
+            got.append(outs)
+            with torch.no_grad():
+                model.model.layers[0].self_attn.k_proj.weight.mul_(-1.5)  # in place: the next round's keys change
+        st = hfpaged.stats(model)
+        assert st["num_free_blocks"] == st["num_blocks"]
+        assert got[0] != got[1], "the changed weight changed nothing"
+        assert any((o >= 0).any() for o in copied) == (min_tokens == 64)
+        copied.clear()
+        results.append(got)
+    assert results[0] == results[1]
