@@ -182,14 +182,14 @@ def test_engine_copies_context_rows_and_keeps_its_tokens(kv_cache_dtype, monkeyp
     # fp16 model, Triton kernels (interpreted), prompts chunked over several steps with the thresholds lowered:
     # chunks after the first read their context (fp8 caches: all their keys) from copied rows; the greedy tokens
     # equal those without the copy
-    prompts = random_prompts([300, 90, 7], seed=11)
+    prompts = random_prompts([200, 90, 7], seed=11)
     results = []
     copied = spy_on_copies(monkeypatch)
     monkeypatch.setattr(pa, "CONTEXT_MIN_Q", 32)
     for min_tokens in (64, 1 << 30):
         monkeypatch.setattr(pa, "CONTEXT_MIN_TOKENS", min_tokens)
         model = make_model("qwen3", num_hidden_layers=2, dtype=torch.float16)
-        hfpaged.patch(model, num_blocks=64, block_size=8, attention_backend="triton", max_num_batched_tokens=128,
+        hfpaged.patch(model, num_blocks=64, block_size=8, attention_backend="triton", max_num_batched_tokens=96,
                       async_scheduling=False, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
         results.append([o.token_ids for o in model.generate_many(prompts, max_new_tokens=4, do_sample=False)])
         st = hfpaged.stats(model)
@@ -274,14 +274,14 @@ def test_context_rows_with_overlapped_steps_callers_and_changed_weights(monkeypa
     # a second round: the tokens with the copy equal those without it, call for call
     from test_concurrency import run_threads
 
-    calls = [random_prompts([260, 40, 150], seed=21), random_prompts([300, 9], seed=22)]
+    calls = [random_prompts([200, 40, 110], seed=21), random_prompts([180, 9], seed=22)]
     monkeypatch.setattr(pa, "CONTEXT_MIN_Q", 32)
     copied = spy_on_copies(monkeypatch)
     results = []
     for min_tokens in (64, 1 << 30):
         monkeypatch.setattr(pa, "CONTEXT_MIN_TOKENS", min_tokens)
         model = make_model("qwen3", num_hidden_layers=2, dtype=torch.float16)
-        hfpaged.patch(model, num_blocks=96, block_size=8, attention_backend="triton", max_num_batched_tokens=128,
+        hfpaged.patch(model, num_blocks=96, block_size=8, attention_backend="triton", max_num_batched_tokens=96,
                       async_scheduling=True)  # fmt: skip
         got = []
         for _ in range(2):
