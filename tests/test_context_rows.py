@@ -188,7 +188,7 @@ def test_engine_copies_context_rows_and_keeps_its_tokens(kv_cache_dtype, monkeyp
     monkeypatch.setattr(pa, "CONTEXT_MIN_Q", 32)
     for min_tokens in (64, 1 << 30):
         monkeypatch.setattr(pa, "CONTEXT_MIN_TOKENS", min_tokens)
-        model = make_model("qwen3", num_hidden_layers=2, dtype=torch.float16)
+        model = make_model("qwen3", num_hidden_layers=1, dtype=torch.float16)
         hfpaged.patch(model, num_blocks=64, block_size=8, attention_backend="triton", max_num_batched_tokens=96,
                       async_scheduling=False, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
         results.append([o.token_ids for o in model.generate_many(prompts, max_new_tokens=4, do_sample=False)])
@@ -212,7 +212,7 @@ def test_context_rows_under_preemption(mode, monkeypatch):
     results = []
     for min_tokens in (32, 1 << 30):
         monkeypatch.setattr(pa, "CONTEXT_MIN_TOKENS", min_tokens)
-        model = make_model("qwen3", num_hidden_layers=2, dtype=torch.float16)
+        model = make_model("qwen3", num_hidden_layers=1, dtype=torch.float16)
         hfpaged.patch(model, num_blocks=32, block_size=8, attention_backend="triton", preemption_mode=mode,
                       max_num_batched_tokens=96, async_scheduling=False)  # fmt: skip
         results.append([o.token_ids for o in model.generate_many(prompts, max_new_tokens=40, do_sample=False)])
@@ -280,7 +280,7 @@ def test_context_rows_with_overlapped_steps_callers_and_changed_weights(monkeypa
     results = []
     for min_tokens in (64, 1 << 30):
         monkeypatch.setattr(pa, "CONTEXT_MIN_TOKENS", min_tokens)
-        model = make_model("qwen3", num_hidden_layers=2, dtype=torch.float16)
+        model = make_model("qwen3", num_hidden_layers=1, dtype=torch.float16)
         hfpaged.patch(model, num_blocks=96, block_size=8, attention_backend="triton", max_num_batched_tokens=96,
                       async_scheduling=True)  # fmt: skip
         got = []
