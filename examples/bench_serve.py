@@ -1,7 +1,9 @@
 """Serving benchmark: ``hfpaged serve`` vs ``transformers serve --continuous-batching`` under a Poisson stream.
 
 Each server is started as a subprocess on a free port of 127.0.0.1 with the same model, warmed up, then sent
-the same chat requests (streamed, greedy, ``max_tokens`` new tokens each) at several request rates; requests
+chat requests (streamed, greedy, ``max_tokens`` new tokens each) at several request rates - other requests for
+each rate and for the warm-up (drawn alike, seeds apart), so no prompt is a prefix-cache hit of an earlier one
+beyond the system prompt they all share; the servers see the same requests at each rate; requests
 arrive as a Poisson process (exponential gaps, fixed seed), ``inf`` sends them all at once. Per server and
 rate it reports output-token throughput, time to first token and inter-token latency (gaps between content
 chunks) at p50/p99, and finally the same requests run offline through ``generate_many`` in this process, so
@@ -186,6 +188,19 @@ def save_random_model(name: str, dtype_name: str, vocab_size: int | None = None)
     word_level_tokenizer(config.vocab_size).save_pretrained(tmp)
     os.replace(tmp, path)
     return path
+
+
+def conversation_sets(args: argparse.Namespace) -> dict:
+    """{"warmup": the warm-up's requests, "rates": one list per rate}: every set drawn with its own seed, so a rate
+    never re-sends prompts an earlier rate (or the warm-up) left in a server's prefix cache."""
+    shape = (tuple(args.input_len), args.model is None)
+    return {
+        "warmup": make_conversations(args.warmup_requests, shape[0], args.seed + 10_000, word_level=shape[1]),
+        "rates": [
+            make_conversations(args.num_requests, shape[0], args.seed + i, word_level=shape[1])
+            for i in range(len(args.rates))
+        ],
+    }
 
 
 def make_conversations(num_requests: int, input_range: tuple[int, int], seed: int, word_level: bool) -> list[list]:
@@ -457,9 +472,10 @@ def summarize(records: list[RequestRecord], wall: float, client_cpu: float) -> d
 
 
 def bench_server(
-    kind: str, path: str, conversations: list, args: argparse.Namespace, label: str | None = None, extra=()
+    kind: str, path: str, conversations: dict, args: argparse.Namespace, label: str | None = None, extra=()
 ) -> dict:
-    """One server's run over every rate; ``label`` names its row (default ``kind``), ``extra`` adds hfpaged flags."""
+    """One server's run over every rate (``conversations``: ``conversation_sets``); ``label`` names its row (default
+    ``kind``), ``extra`` adds hfpaged flags."""
     label = label or kind
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -502,15 +518,15 @@ def bench_server(
         pool = ProcessPoolExecutor(args.client_processes, mp_context=multiprocessing.get_context("spawn"))
     parts = args.client_processes
     try:
-        warm = run_stream(url, bodies(conversations[: args.warmup_requests]), math.inf, args.seed, pool, parts)[0]
+        warm = run_stream(url, bodies(conversations["warmup"]), math.inf, args.seed, pool, parts)[0]
         log(
             f"  warm-up: {sum(r.ok for r in warm)}/{len(warm)} ok"
             + (f" ({warm[0].error})" if warm and not warm[0].ok else "")
         )
-        for rate in args.rates:
+        for rate, rate_conversations in zip(args.rates, conversations["rates"]):
             if hfpaged:
                 before, cpu_before = scrape(url), server_cpu_seconds(process.pid)
-            records, wall, client_cpu = run_stream(url, bodies(conversations), rate, args.seed, pool, parts)
+            records, wall, client_cpu = run_stream(url, bodies(rate_conversations), rate, args.seed, pool, parts)
             summary = summarize(records, wall, client_cpu)
             result["rates"][str(rate)] = summary
             log(
@@ -628,8 +644,8 @@ def _ms(value: float | None) -> str:
 # --- offline -----------------------------------------------------------------------------------------
 
 
-def bench_offline(path: str, conversations: list, args: argparse.Namespace) -> dict:
-    """The same requests through ``generate_many`` in this process (greedy, same lengths): tokens/s."""
+def bench_offline(path: str, conversations: dict, args: argparse.Namespace) -> dict:
+    """The last rate's requests through ``generate_many`` in this process (greedy, same lengths): tokens/s."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -646,11 +662,15 @@ def bench_offline(path: str, conversations: list, args: argparse.Namespace) -> d
     hfpaged.patch(
         model, tokenizer=tokenizer, max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization
     )
-    prompts = [
-        list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))
-        for c in conversations
-    ]
-    model.generate_many(prompts[: args.warmup_requests], max_new_tokens=args.max_tokens, do_sample=False)
+
+    def encode(convs):
+        return [
+            list(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))
+            for c in convs
+        ]
+
+    prompts = encode(conversations["rates"][-1])  # the last rate's requests (``inf`` in the usual order)
+    model.generate_many(encode(conversations["warmup"]), max_new_tokens=args.max_tokens, do_sample=False)
     walls = []
     for _ in range(args.offline_repeats):
         hfpaged.reset_prefix_cache(model)  # each repeat prefills every prompt (no hits from the last one)
@@ -791,9 +811,7 @@ def main(argv: list[str] | None = None) -> None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     os.makedirs(args.out, exist_ok=True)
     path = args.model or save_random_model(args.random_shape, args.dtype, args.vocab_size)
-    conversations = make_conversations(
-        args.num_requests, tuple(args.input_len), args.seed, word_level=args.model is None
-    )
+    conversations = conversation_sets(args)
     import transformers
 
     report = {
