@@ -204,6 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         report["rollouts"] = {}
         for backend in args.backends or [args.backend]:
             rollouts(model, backend, prompts[:2], 2, 8, seed=1, eos=tokenizer is not None)  # warm-up
+            hfpaged.reset_prefix_cache(model)  # the timed rollouts prefill every prompt (none cached by the warm-up)
             subset = prompts[: args.stock_prompts] if backend == "stock" and args.stock_prompts else prompts
             completions, seconds = rollouts(
                 model, backend, subset, args.n, args.new_tokens, seed=2, eos=tokenizer is not None
