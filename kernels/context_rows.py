@@ -115,12 +115,13 @@ def _chunk_rows(cu_seqlens_q_ptr, seq_lens_ptr, num_seqs, capacity, min_q, chunk
     return b, first, ok, end, carry + tl.sum(rows, 0)
 
 
-def context_capacity(num_tokens: int, k_cache: torch.Tensor, v_cache: torch.Tensor, tile_n: int, max_bytes: int,
-                     rows_dtype: torch.dtype) -> int:  # fmt: skip
-    """Rows of the context scratch (in ``rows_dtype``) for a step of ``num_tokens`` tokens: twice the step's tokens,
-    at most ``max_bytes`` of K and V rows, a multiple of ``tile_n`` (0: too small to hold a tile)."""
+def context_capacity(num_tokens: int, max_seqlen_k: int, k_cache: torch.Tensor, v_cache: torch.Tensor, tile_n: int,
+                     max_bytes: int, rows_dtype: torch.dtype) -> int:  # fmt: skip
+    """Rows of the context scratch (in ``rows_dtype``) for a step of ``num_tokens`` tokens over sequences of up to
+    ``max_seqlen_k`` keys: the longest sequence plus twice the step's tokens (so a short chunk after a long cached
+    prefix gets its rows too), at most ``max_bytes`` of K and V rows, a multiple of ``tile_n`` (0: no whole tile)."""
     row_bytes = k_cache.shape[2] * (k_cache.shape[3] + v_cache.shape[3]) * rows_dtype.itemsize
-    return min(2 * num_tokens, max_bytes // row_bytes) // tile_n * tile_n
+    return min(max_seqlen_k + 2 * num_tokens, max_bytes // row_bytes) // tile_n * tile_n
 
 
 def copy_context_rows(

@@ -47,7 +47,7 @@ from .split_merge import _merge_splits_kernel
 LOG2E = 1.4426950408889634
 # Context rows (context_rows.py): only in steps of at least this many tokens (a smaller step's copy launch would cost
 # more than it saves), for chunks of at least CONTEXT_MIN_Q query tokens (each context tile is then read by several
-# query blocks), in a scratch of at most CONTEXT_MAX_BYTES.
+# query blocks), in a scratch of at most CONTEXT_MAX_BYTES (context_capacity).
 CONTEXT_MIN_TOKENS = 2048
 CONTEXT_MIN_Q = 256
 CONTEXT_MAX_BYTES = 64 << 20
@@ -358,6 +358,12 @@ def paged_attention(
         raise ValueError("key and value go together: give both or neither")
     # prompt tiles only (decode tiles hold no whole tile of keys from the step); checked once, below
     use_step_kv = key is not None and config.num_splits == 1 and max_seqlen_q >= config.tile_n
+    context_rows = 0
+    if use_step_kv and num_tokens >= CONTEXT_MIN_TOKENS:
+        rows_dtype = context_rows_dtype(q.dtype, k_cache.dtype)
+        context_rows = context_capacity(
+            num_tokens, max_seqlen_k, k_cache, v_cache, config.tile_n, CONTEXT_MAX_BYTES, rows_dtype
+        )
     return paged_attention_with_config(
         q,
         k_cache,
@@ -373,10 +379,6 @@ def paged_attention(
         v_scale=v_scale,
         launch_pdl=launch_pdl,
         step_kv=(key, value) if use_step_kv else None,
-        context_rows=context_capacity(
-            num_tokens, k_cache, v_cache, config.tile_n, CONTEXT_MAX_BYTES, context_rows_dtype(q.dtype, k_cache.dtype)
-        )
-        if use_step_kv and num_tokens >= CONTEXT_MIN_TOKENS
-        else 0,
+        context_rows=context_rows,
         context_min_q=CONTEXT_MIN_Q,
     )

@@ -54,10 +54,12 @@ def test_capacity_is_a_whole_number_of_tiles_within_the_byte_cap():
     batch = small_batch()
     k_cache, v_cache = batch["k_cache"], batch["v_cache"]  # 2 heads x (32 + 32) x 2 bytes = 256 bytes a row
     half = torch.float16
-    assert context_capacity(100, k_cache, v_cache, 16, 1 << 20, half) == 192  # twice the step's tokens, whole tiles
-    assert context_capacity(1000, k_cache, v_cache, 16, 256 * 100, half) == 96  # 100 rows' bytes -> 96
-    assert context_capacity(1000, k_cache, v_cache, 16, 256 * 100, torch.float32) == 48  # rows twice as wide
-    assert context_capacity(4, k_cache, v_cache, 16, 1 << 20, half) == 0
+    # the longest sequence plus twice the step's tokens, whole tiles
+    assert context_capacity(100, 60, k_cache, v_cache, 16, 1 << 20, half) == 256
+    assert context_capacity(100, 5000, k_cache, v_cache, 16, 1 << 22, half) == 5200
+    assert context_capacity(1000, 0, k_cache, v_cache, 16, 256 * 100, half) == 96  # 100 rows' bytes -> 96
+    assert context_capacity(1000, 0, k_cache, v_cache, 16, 256 * 100, torch.float32) == 48  # rows twice as wide
+    assert context_capacity(4, 3, k_cache, v_cache, 16, 1 << 20, half) == 0
     with pytest.raises(ValueError, match="capacity must be a positive multiple of tile_n=16, got 40"):
         copy_context_rows(k_cache, v_cache, batch["block_tables"], batch["seq_lens"], batch["cu_seqlens_q"],
                           capacity=40, tile_n=16, min_q=1, search_block=64)  # fmt: skip
@@ -191,13 +193,21 @@ def test_engine_copies_context_rows_and_keeps_its_tokens(kv_cache_dtype, monkeyp
         model = make_model("qwen3", num_hidden_layers=1, dtype=torch.float16)
         hfpaged.patch(model, num_blocks=64, block_size=8, attention_backend="triton", max_num_batched_tokens=96,
                       async_scheduling=False, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
-        results.append([o.token_ids for o in model.generate_many(prompts, max_new_tokens=4, do_sample=False)])
-        st = hfpaged.stats(model)
-        assert st["num_free_blocks"] == st["num_blocks"]
-        if len(results) == 1:
+        got = [o.token_ids for o in model.generate_many(prompts, max_new_tokens=4, do_sample=False)]
+        if len(results) == 0:
             assert any((o >= 0).any() for o in copied), "no chunk read copied context rows"
             copied.clear()
-    assert not copied
+        # a prompt sharing the first 160 tokens of the first one: a prefix-cache hit, its 100 new tokens one chunk
+        # that reads the cached 160 (from rows, with the copy on)
+        hits = hfpaged.stats(model)["prefix_cache_hits"]
+        got += [o.token_ids for o in model.generate_many([prompts[0][:160] + prompts[1][:100]], max_new_tokens=4,
+                                                         do_sample=False)]  # fmt: skip
+        assert hfpaged.stats(model)["prefix_cache_hits"] - hits == 160
+        assert any((o >= 0).any() for o in copied) == (len(results) == 0)
+        copied.clear()
+        st = hfpaged.stats(model)
+        assert st["num_free_blocks"] == st["num_blocks"]
+        results.append(got)
     assert results[0] == results[1]
 
 
