@@ -6,7 +6,7 @@ each rate and for the warm-up (drawn alike, seeds apart), so no prompt is a pref
 beyond the system prompt they all share; the servers see the same requests at each rate; requests
 arrive as a Poisson process (exponential gaps, fixed seed), ``inf`` sends them all at once. Per server and
 rate it reports output-token throughput, time to first token and inter-token latency (gaps between content
-chunks) at p50/p99, and finally the same requests run offline through ``generate_many`` in this process, so
+chunks) at p50/p99, and finally the last rate's requests run offline through ``generate_many`` in this process, so
 "peak sustained serving throughput vs offline" can be read off. Writes ``bench_serve.json`` and
 ``bench_serve.png`` (matplotlib) under ``--out``.
 
@@ -193,11 +193,11 @@ def save_random_model(name: str, dtype_name: str, vocab_size: int | None = None)
 def conversation_sets(args: argparse.Namespace) -> dict:
     """{"warmup": the warm-up's requests, "rates": one list per rate}: every set drawn with its own seed, so a rate
     never re-sends prompts an earlier rate (or the warm-up) left in a server's prefix cache."""
-    shape = (tuple(args.input_len), args.model is None)
+    input_range, word_level = tuple(args.input_len), args.model is None
     return {
-        "warmup": make_conversations(args.warmup_requests, shape[0], args.seed + 10_000, word_level=shape[1]),
+        "warmup": make_conversations(args.warmup_requests, input_range, args.seed + 10_000, word_level),
         "rates": [
-            make_conversations(args.num_requests, shape[0], args.seed + i, word_level=shape[1])
+            make_conversations(args.num_requests, input_range, args.seed + i, word_level)
             for i in range(len(args.rates))
         ],
     }
