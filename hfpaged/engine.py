@@ -131,13 +131,13 @@ class EngineCore:
     def step_for_clients(self) -> None:
         """Run one step and hand every output to the client that owns its prompt (call with the lock held)."""
         finished = []
+        owners = self.owners
         for output in self.step():
-            owner = self.owners.get(output.prompt_id)
+            owner = owners.get(output.prompt_id)
             if owner is None:
                 continue
-            client, root = owner
-            client.outbox.append(output)
-            if output.finished and is_prompt_finished(root):
+            owner[0].outbox.append(output)
+            if output.finished and is_prompt_finished(owner[1]):
                 finished.append(output.prompt_id)  # after the loop: a beam search ends with several outputs
         for prompt_id in finished:
             self.owners.pop(prompt_id, None)
@@ -256,9 +256,10 @@ class Client:
             outputs = list(self.outbox)
             self.outbox.clear()
         for output in outputs:
-            root = self.prompts.get(output.prompt_id)
-            if output.finished and root is not None and is_prompt_finished(root):
-                del self.prompts[output.prompt_id]
+            if output.finished:
+                root = self.prompts.get(output.prompt_id)
+                if root is not None and is_prompt_finished(root):
+                    del self.prompts[output.prompt_id]
         return outputs
 
     def has_unfinished(self) -> bool:

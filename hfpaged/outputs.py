@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .core.request import RequestStatus
+
 if TYPE_CHECKING:
     from .core.request import Request
 
@@ -65,6 +67,27 @@ def make_request_output(
         request.num_prompt_tokens,
         len(all_token_ids),
         request.sequence_index if sequence_index is None else sequence_index,
+        request.error,
+        request.prompt_id,
+    )
+
+
+def new_token_output(request: Request) -> RequestOutput:
+    """``make_request_output(request, request.all_token_ids[-1:])``: a step's usual output, one new token (hot path)."""
+    ids = request.all_token_ids
+    logprobs, top = request.logprobs, request.top_logprobs
+    return RequestOutput(
+        request.request_id,
+        request.index,
+        ids[-1:],
+        request.status is RequestStatus.FINISHED,  # request.is_finished, inlined
+        request.finish_reason,
+        None if logprobs is None else logprobs[-1:] if ids else [],
+        None if top is None else top[-1:] if ids else [],
+        ids,
+        len(request.prompt_token_ids),
+        len(ids),
+        request.sequence_index,
         request.error,
         request.prompt_id,
     )

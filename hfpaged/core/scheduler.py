@@ -23,7 +23,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from ..outputs import RequestOutput, make_request_output
+from ..outputs import RequestOutput, make_request_output, new_token_output
 from ..sampling.stopping import check_stops
 from .config import EngineConfig
 from .kv_manager import KVManager
@@ -189,7 +189,9 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         if num_tokens:
-            scheduled[request.request_id] = _scheduled(request, num_tokens)
+            start = request.num_computed_tokens
+            samples = start + num_tokens == request.num_tokens
+            scheduled[request.request_id] = ScheduledRequest(request.request_id, start, num_tokens, samples)
         return num_tokens
 
     # --- one step ---------------------------------------------------------------------------------
@@ -205,30 +207,35 @@ class Scheduler:
         # planned again: it finishes when that token is read back.
         decodes, prefills = [], []
         for r in self.running:
-            num_tokens = r.num_tokens
+            num_tokens = len(r.all_token_ids) + r.num_output_placeholders  # r.num_tokens, inlined (hot loop)
             behind = num_tokens - r.num_computed_tokens
-            if behind == 1 and not (r.num_output_placeholders and num_tokens >= r.params.max_length):
-                decodes.append(r)
+            if behind == 1:
+                if not (r.num_output_placeholders and num_tokens >= r.params.max_length):
+                    decodes.append((r, num_tokens))
             elif behind > 1:
-                prefills.append(r)
-        for request in decodes + prefills:
+                prefills.append((r, num_tokens))
+        decodes += prefills
+        allocate, running = self.kv.allocate, RequestStatus.RUNNING
+        for request, num_tokens in decodes:
             if budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # preempted earlier in this step
-            while True:
-                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-                if self.kv.allocate(request, request.num_computed_tokens + num_new):
-                    break
+            start = request.num_computed_tokens
+            num_new = min(num_tokens - start, budget)
+            while not allocate(request, start + num_new):
                 for victim in self._preempt(self.running[-1], out):
                     undone = scheduled.pop(victim.request_id, None)
                     if undone is not None:  # give back what the victim was granted this step
                         budget += undone.num_tokens
-                if request.status is not RequestStatus.RUNNING:
+                if request.status is not running:
                     break
-            if request.status is not RequestStatus.RUNNING:
+                num_new = min(num_tokens - start, budget)
+            if request.status is not running:
                 continue
-            scheduled[request.request_id] = _scheduled(request, num_new)
+            scheduled[request.request_id] = ScheduledRequest(
+                request.request_id, start, num_new, start + num_new == num_tokens
+            )
             budget -= num_new
 
         if not out.preempted_ids:
@@ -308,19 +315,22 @@ class Scheduler:
         advanced: list[Request] = []
         outputs: list[RequestOutput] = []
         logprobs, top_logprobs, errors = result.logprobs, result.top_logprobs, result.errors
+        placeholder = 1 if out.overlapped else 0
         for row, (request_id, token_id) in enumerate(zip(result.request_ids, result.token_ids)):
             request = requests.get(request_id)
             if request is None:
                 continue
-            if out.overlapped:
-                request.num_output_placeholders -= 1
+            request.num_output_placeholders -= placeholder
             if errors and request_id in errors:
                 self.finish(request, "error", errors[request_id])
                 outputs.append(make_request_output(request, []))
                 continue
-            request.append_token(
-                token_id, logprobs[row] if logprobs else None, top_logprobs[row] if top_logprobs else None
-            )
+            if logprobs is None and request.first_token_time is not None:
+                request.all_token_ids.append(token_id)  # request.append_token, inlined (hot loop)
+            else:
+                request.append_token(
+                    token_id, logprobs[row] if logprobs else None, top_logprobs[row] if top_logprobs else None
+                )
             advanced.append(request)
             if request.num_forks_pending:
                 for fork in result.forks.get(request_id, ()):
@@ -331,7 +341,7 @@ class Scheduler:
         for request, reason in zip(advanced, check_stops(advanced)):
             if reason is not None:
                 self.finish(request, reason)
-        return outputs + [make_request_output(request, request.all_token_ids[-1:]) for request in advanced]
+        return outputs + [new_token_output(request) for request in advanced]
 
     def _fork(self, parent: Request, index: int, params: RequestParams, sampled: SampledToken) -> Request:
         """Parallel sampling: sequence ``index`` of the parent's prompt forks off it with its own first token."""
@@ -391,8 +401,3 @@ class Scheduler:
             member.num_computed_tokens = num_computed
             self._forget(member)  # its tokens and table are another beam's now: the runner rebuilds its state
         return []
-
-
-def _scheduled(request: Request, num_tokens: int) -> ScheduledRequest:
-    start = request.num_computed_tokens
-    return ScheduledRequest(request.request_id, start, num_tokens, samples=start + num_tokens == request.num_tokens)

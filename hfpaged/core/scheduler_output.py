@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from .request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of the step."""
 
@@ -54,7 +54,7 @@ class NewRequestData:
         )
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestData:
     """A block-table diff: the table from ``start`` on is now ``block_ids``."""
 
@@ -80,7 +80,7 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+        return sum([s.num_tokens for s in self.scheduled])
 
     @property
     def is_empty(self) -> bool:

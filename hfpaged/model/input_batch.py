@@ -149,7 +149,9 @@ class InputBatch:
 
     def max_blocks(self, scheduled: list[ScheduledRequest]) -> int:
         """The most blocks any of the scheduled requests holds."""
-        return max(int(self.num_blocks[self.states[s.request_id].row]) for s in scheduled)
+        by_id = self.states
+        rows = np.array([by_id[s.request_id].row for s in scheduled], dtype=np.int64)
+        return int(self.num_blocks[rows].max())
 
     def pack(
         self,
@@ -164,11 +166,13 @@ class InputBatch:
         tokens none; padding stores nothing (slot -1), attends only to itself (its block-table row is block 0)
         and is not sampled. A request whose last input token the previous step sampled (not yet read on the
         host) takes it from that step's device tokens (``HostStep.pending``)."""
-        states = [self.states[s.request_id] for s in scheduled]
+        by_id = self.states
+        states = [by_id[s.request_id] for s in scheduled]
         num_real = len(scheduled)
-        rows = np.fromiter((state.row for state in states), dtype=np.int64, count=num_real)
-        q_lens = np.fromiter((s.num_tokens for s in scheduled), dtype=np.int64, count=num_real)
-        starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=num_real)
+        rows = np.array([state.row for state in states], dtype=np.int64)
+        q_lens = np.array([s.num_tokens for s in scheduled], dtype=np.int64)
+        starts_list = [s.start for s in scheduled]
+        starts = np.array(starts_list, dtype=np.int64)
         num_tokens, num_reqs = (int(q_lens.sum()), num_real) if pad_to is None else pad_to
         seq_lens_real = starts + q_lens
         max_blocks = int(self.num_blocks[rows].max())
@@ -194,19 +198,30 @@ class InputBatch:
 
         cu_real = np.zeros(num_real + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu_real[1:])
+        # the known input tokens, in step order (one numpy write); a decode token is usually still on the device
+        row_of = previous.row_of if previous is not None else {}
+        known_ids: list[int] = []
+        known_dst: list[int] = []  # step token index of each single known token (decode rows)
         pending_dst: list[int] = []  # step token index <- row of the previous step's sampled tokens
         pending_src: list[int] = []
-        for i, (item, state) in enumerate(zip(scheduled, states)):
-            first, start, end = int(cu_real[i]), item.start, item.start + item.num_tokens
-            known = len(state.token_ids)
+        for first, item, state, start in zip(cu_real.tolist(), scheduled, states, starts_list):
+            tokens = state.token_ids
+            end, known = start + item.num_tokens, len(tokens)
             if end > known:  # its last token is still on the device (sampled by the step in flight)
-                if previous is None or state.request_id not in previous.row_of or end != known + 1:
+                src = row_of.get(state.request_id)
+                if src is None or end != known + 1:
                     raise RuntimeError(f"request {state.request_id} waits for a token no step in flight sampled")
-                input_ids[first : first + known - start] = state.token_ids[start:known]
+                if known > start:
+                    input_ids[first : first + known - start] = tokens[start:known]
                 pending_dst.append(first + known - start)
-                pending_src.append(previous.row_of[state.request_id])
+                pending_src.append(src)
+            elif end == start + 1:
+                known_dst.append(first)
+                known_ids.append(tokens[start])
             else:
-                input_ids[first : first + end - start] = state.token_ids[start:end]
+                input_ids[first : first + end - start] = tokens[start:end]
+        if known_dst:
+            input_ids[known_dst] = known_ids
         seq_of_token = np.repeat(np.arange(num_real), q_lens)
         pos = np.arange(int(cu_real[-1])) - cu_real[seq_of_token] + starts[seq_of_token]
         bs = self.block_size
@@ -219,7 +234,13 @@ class InputBatch:
             _pad(positions, slot_mapping, seq_lens, cu_seqlens_q, num_real, num_reqs, num_pad_tokens)
 
         sample_rows = [i for i, s in enumerate(scheduled) if s.samples]
-        logits_indices[: len(sample_rows)] = cu_real[1:][sample_rows] - 1
+        if len(sample_rows) == num_real:  # every request samples (decode steps): no fancy indexing
+            logits_indices[:num_real] = cu_real[1:] - 1
+            sample_states, sample_positions = states, seq_lens_real.tolist()
+        else:
+            logits_indices[: len(sample_rows)] = cu_real[1:][sample_rows] - 1
+            sample_states = [states[i] for i in sample_rows]
+            sample_positions = seq_lens_real[sample_rows].tolist()
         return HostStep(
             packed=packed,
             num_tokens=num_tokens,
@@ -227,8 +248,8 @@ class InputBatch:
             width=width,
             max_seqlen_q=int(q_lens.max()),
             max_seqlen_k=int(seq_lens_real.max()),
-            sample_states=[states[i] for i in sample_rows],
-            sample_positions=[int(seq_lens_real[i]) for i in sample_rows],
+            sample_states=sample_states,
+            sample_positions=sample_positions,
             pending=np.array([pending_dst, pending_src], dtype=np.int64) if pending_dst else None,
         )
 

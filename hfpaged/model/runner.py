@@ -24,7 +24,7 @@ import torch
 
 from ..core.block_pool import cdiv
 from ..core.scheduler_output import SchedulerOutput
-from ..sampling.sampler import Sampler, StepResult
+from ..sampling.sampler import Sampler, StepResult, all_plain_greedy
 from .attention import PagedStep, eval_mode, paged_forward
 from .cuda_graphs import StepGraphs
 from .fused_projections import fused_step
@@ -114,11 +114,18 @@ class ModelRunner:
         if not self._warmed:
             self.warmup()
         logits, host, greedy = self._forward_step(out)
-        if self.previous is not None and any(s.params.stages_read_history or s.num_forks for s in host.sample_states):
+        plain = all_plain_greedy(host.sample_states)
+        if (
+            not plain
+            and self.previous is not None
+            and any(s.params.stages_read_history or s.num_forks for s in host.sample_states)
+        ):
             self.previous.result()  # this step's processors (or forks) read every earlier token
         # the graph's greedy picks are overwritten by its next replay; the next step reads these tokens (into its
         # inputs, and their copy to the host) on this stream before it replays anything
-        self.previous = self.sampler.sample(logits, host.sample_states, host.sample_positions, greedy=greedy)
+        self.previous = self.sampler.sample(
+            logits, host.sample_states, host.sample_positions, greedy=greedy, plain=plain
+        )
         return self.previous
 
     def _forward_step(self, out: SchedulerOutput) -> tuple[torch.Tensor, HostStep, torch.Tensor | None]:
@@ -353,10 +360,13 @@ class ModelRunner:
             return None, None
         if self.batch.max_blocks(out.scheduled) > self.graph_width:
             return None, None
-        graphs = self.capture_graphs(mixed=not all(s.num_tokens == 1 and s.samples for s in out.scheduled))
+        num_tokens, num_reqs = out.num_batched_tokens, len(out.scheduled)
+        # a decode step: one token per request (each has >= 1), every one sampled
+        decode = num_tokens == num_reqs and all([s.samples for s in out.scheduled])
+        graphs = self.capture_graphs(mixed=not decode)
         if graphs is None:
             return None, None
-        bucket = graphs.bucket_for(sum(s.num_tokens for s in out.scheduled), len(out.scheduled))
+        bucket = graphs.bucket_for(num_tokens, num_reqs)
         return (graphs, bucket) if bucket is not None else (None, None)
 
     # --- block copies -----------------------------------------------------------------------------

@@ -160,7 +160,7 @@ class StepResult:
             token_ids = values[: len(self.states)] if self._flat else values
             for state, token_id in zip(self.states, token_ids):
                 if not state.is_finished:
-                    state.append_token(int(token_id))
+                    state.token_ids.append(int(token_id))  # state.append_token, inlined (hot loop)
             self._output = self._unpack(values)
         return self._output
 
@@ -214,6 +214,21 @@ def _picked(output: ModelRunnerOutput, row: int) -> SampledToken:
     )
 
 
+def all_plain_greedy(states: list[CachedRequestState]) -> bool:
+    """Whether every row takes the argmax of its raw logits: no processors, sampling, log-probs, forks or beams."""
+    for state in states:
+        params = state.params
+        if (
+            params.stages
+            or params.do_sample
+            or params.return_logprobs
+            or state.num_forks
+            or state.beam_search is not None
+        ):
+            return False
+    return True
+
+
 class Sampler:
     """Processes each row's logits (its own stages), then picks one token per row; one device-to-host copy.
 
@@ -232,11 +247,18 @@ class Sampler:
         states: list[CachedRequestState],
         positions: list[int],
         greedy: torch.Tensor | None = None,
+        plain: bool | None = None,
     ) -> StepResult:
         """Pick the tokens of a step's sampled rows (``positions``: each row's sequence length, the noise
         counter). Beam rows go to their group; a parallel-sampling parent's first row is drawn for each
         sequence it forks into, too. ``greedy``: ``row_argmax(logits)`` already computed (by a CUDA graph), used
-        where every row is plain greedy."""
+        where every row is plain greedy. ``plain``: ``all_plain_greedy(states)``, if the caller has it."""
+        if plain is None:
+            plain = all_plain_greedy(states)
+        if plain and states:
+            if greedy is None or greedy.shape[0] != logits.shape[0]:
+                greedy = row_argmax(logits)
+            return StepResult(greedy, states)
         beam_rounds: list[BeamRound] = []
         if any(state.beam_search is not None for state in states):
             logits, states, positions, beam_rounds = _take_beam_rows(logits, states, positions)
