@@ -296,6 +296,7 @@ def run_hfpaged(model, prompts, out_lens, track_usage=False):
 
     engine = hfpaged.Engine(model)
     engine.core.timings.clear()  # host seconds of this run's steps only
+    overlapped0, ready0 = engine.core.num_overlapped_steps, engine.core.num_ready_reads
     for p, n in zip(prompts, out_lens):
         engine.add_request(p, max_new_tokens=n, do_sample=False, eos_token_id=None)
     used_slots = real_tokens = 0
@@ -321,6 +322,11 @@ def run_hfpaged(model, prompts, out_lens, track_usage=False):
     dt = time.perf_counter() - t0
     usage = real_tokens / used_slots if used_slots else None
     engine.step_log = step_log
+    # steps whose tokens were ready before the host read them: the device had finished and waited on the host
+    engine.host_bound = {
+        "overlapped_steps": engine.core.num_overlapped_steps - overlapped0,
+        "ready_before_read": engine.core.num_ready_reads - ready0,
+    }
     engine.triton_compiles = compiles.stop()
     engine.gc_pauses = collections.stop()
     return num_tokens, dt, usage, engine
@@ -338,6 +344,7 @@ def hfpaged_record(model, tokens, seconds, usage, engine) -> dict:
         "graph_steps": engine.runner.num_graph_steps,
         "eager_steps": engine.runner.num_eager_steps,
         "host_seconds": dict(engine.core.timings),
+        "host_bound_steps": engine.host_bound,
         "gc_pauses": engine.gc_pauses,
         "stats": hfpaged.stats(model),
     }
@@ -599,6 +606,11 @@ def bench_model(name, args, bandwidth):
             log(
                 "    per step (ms): "
                 + ", ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in timings.items() if k != "steps")
+            )
+            hb = engine.host_bound
+            log(
+                f"    device waited on the host (tokens ready before the host read them) in "
+                f"{hb['ready_before_read']} of {hb['overlapped_steps']} overlapped steps"
             )
         except Exception:
             w["hfpaged_error"] = traceback.format_exc()

@@ -52,6 +52,9 @@ class EngineCore:
         self.owners: dict[str, tuple[Client, Request]] = {}  # prompt id -> (client, its first request)
         self.timings: dict[str, float] = defaultdict(float)  # host seconds per step phase, and "steps"
         self.num_overlapped_steps = 0  # steps whose result was read during the next step
+        # overlapped steps whose tokens had landed before the host came to read them: the device finished the
+        # step before the host launched the next one, i.e. it waited on the host (on the CPU: every step)
+        self.num_ready_reads = 0
 
     def step(self) -> list[RequestOutput]:
         """Schedule, launch, and read back what is due: the step before (if it overlapped this one) or this one.
@@ -68,7 +71,10 @@ class EngineCore:
             result = self.runner.execute(scheduler_output)
             t2 = clock()
             previous, self.in_flight = self.in_flight, None
-            outputs = self._update(previous) if previous is not None else []
+            outputs = []
+            if previous is not None:
+                self.num_ready_reads += previous[1].is_ready()
+                outputs = self._update(previous)
             if result is not None and scheduler_output.overlapped:
                 self.in_flight = (scheduler_output, result)
                 self.num_overlapped_steps += 1

@@ -183,3 +183,44 @@ def test_logits_index_as_a_list_for_models_spread_over_devices():
     finally:
         runner.single_device = True
     assert_pool_free(model)
+
+
+class _Event:
+    """Stands in for the CUDA event of a step's copy to the host."""
+
+    def __init__(self, done):
+        self.done = done
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+
+def test_ready_reads_count_steps_whose_tokens_landed_before_the_host_asked():
+    """``is_ready`` reports whether reading a step would wait for the device (its copy's event); the engine counts
+    the overlapped steps read without waiting, the measure of the device waiting on the host. On the CPU nothing
+    is in flight, so every overlapped step counts."""
+    from hfpaged.sampling.request_state import CachedRequestState
+    from hfpaged.sampling.sampler import StepResult
+
+    model = make_model("llama")
+    hfpaged.patch(model, num_blocks=64, block_size=4, max_num_seqs=4)
+    prompts = random_prompts(LENGTHS[:4], seed=5)
+    expected = reference_generate(model, prompts, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    got, engine, _ = run_engine(model, prompts, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert got == expected
+    core = engine.core
+    assert core.num_overlapped_steps > 0 and core.num_ready_reads == core.num_overlapped_steps
+
+    state = CachedRequestState("r", None, [1, 2], 2)
+    result = StepResult(torch.tensor([7]), [state])
+    result._event = _Event(done=False)
+    assert not result.is_ready()  # the copy has not landed: reading would wait
+    assert result.result().token_ids == [7] and state.token_ids == [1, 2, 7]
+    assert result.is_ready()  # read once: never waits again
+    done = StepResult(torch.tensor([8]), [CachedRequestState("s", None, [1], 1)])
+    done._event = _Event(done=True)
+    assert done.is_ready()
+    hfpaged.unpatch(model)

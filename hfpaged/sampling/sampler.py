@@ -151,6 +151,10 @@ class StepResult:
         self._flat = flat is not None
         self._output: ModelRunnerOutput | None = None
 
+    def is_ready(self) -> bool:
+        """Whether the tokens are on the host already (reading them would not wait for the device)."""
+        return self._output is not None or self._event is None or self._event.query()
+
     def result(self) -> ModelRunnerOutput:
         """Wait for the copy (once) and unpack it."""
         if self._output is None:
