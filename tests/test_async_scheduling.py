@@ -224,3 +224,28 @@ def test_ready_reads_count_steps_whose_tokens_landed_before_the_host_asked():
     done._event = _Event(done=True)
     assert done.is_ready()
     hfpaged.unpatch(model)
+
+
+@pytest.mark.gpu
+def test_is_ready_follows_the_device_copy():
+    """On CUDA: a step whose copy to the host is queued behind a long kernel is not ready until it lands, and the
+    engine's ready count stays within its overlapped steps."""
+    from hfpaged.sampling.request_state import CachedRequestState
+    from hfpaged.sampling.sampler import StepResult
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of device time ahead of the copy
+    result = StepResult(torch.tensor([7], device="cuda"), [CachedRequestState("r", None, [1], 1)])
+    assert not result.is_ready()
+    assert result.result().token_ids == [7]
+    assert result.is_ready()
+
+    model = make_model("llama").cuda()
+    hfpaged.patch(model, num_blocks=64, block_size=4, max_num_seqs=4)
+    prompts = random_prompts(LENGTHS[:4], seed=5)
+    expected = reference_generate(model, prompts, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    got, engine, _ = run_engine(model, prompts, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert got == expected
+    core = engine.core
+    assert core.num_overlapped_steps > 0 and 0 <= core.num_ready_reads <= core.num_overlapped_steps
+    hfpaged.unpatch(model)
