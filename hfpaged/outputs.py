@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .core.request import RequestStatus
-
 if TYPE_CHECKING:
     from .core.request import Request
 
@@ -36,60 +34,44 @@ class RequestOutput:
         return self.all_token_ids[self.num_prompt_tokens : self.num_tokens]
 
 
-def make_request_output(
-    request: Request,
-    new_token_ids: list[int],
-    *,
-    all_token_ids: list[int] | None = None,
-    finished: bool | None = None,
-    finish_reason: str | None = None,
-    sequence_index: int | None = None,
-) -> RequestOutput:
-    """What ``request`` gained: its last ``len(new_token_ids)`` tokens (by default, its own state), or a
-    whole returned sequence (beam search: ``all_token_ids``, ``finish_reason`` and ``sequence_index`` given)."""
-    if all_token_ids is None:  # the request's own progress: its last len(new_token_ids) tokens
-        all_token_ids = request.all_token_ids
-        num_new = len(new_token_ids)
-        logprobs, top = request.logprobs, request.top_logprobs
-        new_logprobs = None if logprobs is None else logprobs[len(logprobs) - num_new :]
-        new_top = None if top is None else top[len(top) - num_new :]
-    else:
-        new_logprobs = new_top = None
-    return RequestOutput(
-        request.request_id,
-        request.index,
-        list(new_token_ids),
-        request.is_finished if finished is None else finished,
-        request.finish_reason if finish_reason is None else finish_reason,
-        new_logprobs,
-        new_top,
-        all_token_ids,
-        request.num_prompt_tokens,
-        len(all_token_ids),
-        request.sequence_index if sequence_index is None else sequence_index,
-        request.error,
-        request.prompt_id,
-    )
-
-
-def new_token_output(request: Request) -> RequestOutput:
-    """``make_request_output(request, request.all_token_ids[-1:])``: a step's usual output, one new token (hot path)."""
+def progress_output(request: Request, num_new: int = 1) -> RequestOutput:
+    """What ``request`` gained: its last ``num_new`` tokens (a step's usual output: one; a failed pick: none)."""
     ids = request.all_token_ids
     logprobs, top = request.logprobs, request.top_logprobs
     return RequestOutput(
         request.request_id,
         request.index,
-        ids[-1:],
-        request.status is RequestStatus.FINISHED,  # request.is_finished, inlined
+        ids[len(ids) - num_new :],
+        request.is_finished,
         request.finish_reason,
-        None if logprobs is None else logprobs[-1:] if ids else [],
-        None if top is None else top[-1:] if ids else [],
+        None if logprobs is None else logprobs[len(logprobs) - num_new :],
+        None if top is None else top[len(top) - num_new :],
         ids,
         len(request.prompt_token_ids),
         len(ids),
         request.sequence_index,
         request.error,
         request.prompt_id,
+    )
+
+
+def sequence_output(root: Request, token_ids: list[int], *, finish_reason: str, sequence_index: int) -> RequestOutput:
+    """One returned sequence of a finished beam search: ``token_ids`` generated after ``root``'s prompt."""
+    all_token_ids = root.prompt_token_ids + token_ids
+    return RequestOutput(
+        root.request_id,
+        root.index,
+        list(token_ids),
+        True,
+        finish_reason,
+        None,
+        None,
+        all_token_ids,
+        len(root.prompt_token_ids),
+        len(all_token_ids),
+        sequence_index,
+        root.error,
+        root.prompt_id,
     )
 
 

@@ -23,7 +23,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from ..outputs import RequestOutput, make_request_output, new_token_output
+from ..outputs import RequestOutput, progress_output, sequence_output
 from ..sampling.stopping import check_stops
 from .config import EngineConfig
 from .kv_manager import KVManager
@@ -207,7 +207,7 @@ class Scheduler:
         # planned again: it finishes when that token is read back.
         decodes, prefills = [], []
         for r in self.running:
-            num_tokens = len(r.all_token_ids) + r.num_output_placeholders  # r.num_tokens, inlined (hot loop)
+            num_tokens = r.num_tokens
             behind = num_tokens - r.num_computed_tokens
             if behind == 1:
                 if not (r.num_output_placeholders and num_tokens >= r.params.max_length):
@@ -323,14 +323,11 @@ class Scheduler:
             request.num_output_placeholders -= placeholder
             if errors and request_id in errors:
                 self.finish(request, "error", errors[request_id])
-                outputs.append(make_request_output(request, []))
+                outputs.append(progress_output(request, 0))
                 continue
-            if logprobs is None and request.first_token_time is not None:
-                request.all_token_ids.append(token_id)  # request.append_token, inlined (hot loop)
-            else:
-                request.append_token(
-                    token_id, logprobs[row] if logprobs else None, top_logprobs[row] if top_logprobs else None
-                )
+            request.append_token(
+                token_id, logprobs[row] if logprobs else None, top_logprobs[row] if top_logprobs else None
+            )
             advanced.append(request)
             if request.num_forks_pending:
                 for fork in result.forks.get(request_id, ()):
@@ -341,7 +338,7 @@ class Scheduler:
         for request, reason in zip(advanced, check_stops(advanced)):
             if reason is not None:
                 self.finish(request, reason)
-        return outputs + [new_token_output(request) for request in advanced]
+        return outputs + [progress_output(request) for request in advanced]
 
     def _fork(self, parent: Request, index: int, params: RequestParams, sampled: SampledToken) -> Request:
         """Parallel sampling: sequence ``index`` of the parent's prompt forks off it with its own first token."""
@@ -373,16 +370,8 @@ class Scheduler:
             for member in list(group.members):
                 if not member.is_finished:
                     self.finish(member, "stop")
-            all_ids = root.prompt_token_ids
             return [
-                make_request_output(
-                    root,
-                    seq.token_ids,
-                    all_token_ids=all_ids + seq.token_ids,
-                    finished=True,
-                    finish_reason=seq.finish_reason,
-                    sequence_index=i,
-                )
+                sequence_output(root, seq.token_ids, finish_reason=seq.finish_reason, sequence_index=i)
                 for i, seq in enumerate(search.returned_sequences())
             ]
         if len(group.members) == 1:  # first round: every row was the prompt's; the other beams fork off it

@@ -164,7 +164,7 @@ class StepResult:
             token_ids = values[: len(self.states)] if self._flat else values
             for state, token_id in zip(self.states, token_ids):
                 if not state.is_finished:
-                    state.token_ids.append(int(token_id))  # state.append_token, inlined (hot loop)
+                    state.append_token(int(token_id))
             self._output = self._unpack(values)
         return self._output
 
