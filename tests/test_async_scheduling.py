@@ -198,6 +198,17 @@ class _Event:
         self.done = True
 
 
+def greedy_core_of_a_short_run(model):
+    """Four prompts through a patched ``model`` (greedy, equal to stock generate); the engine core, model unpatched."""
+    prompts = random_prompts(LENGTHS[:4], seed=5)
+    expected = reference_generate(model, prompts, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    hfpaged.patch(model, num_blocks=64, block_size=4, max_num_seqs=4)
+    got, engine, _ = run_engine(model, prompts, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert got == expected
+    hfpaged.unpatch(model)
+    return engine.core
+
+
 def test_ready_reads_count_steps_whose_tokens_landed_before_the_host_asked():
     """``is_ready`` reports whether reading a step would wait for the device (its copy's event); the engine counts
     the overlapped steps read without waiting, the measure of the device waiting on the host. On the CPU nothing
@@ -205,13 +216,7 @@ def test_ready_reads_count_steps_whose_tokens_landed_before_the_host_asked():
     from hfpaged.sampling.request_state import CachedRequestState
     from hfpaged.sampling.sampler import StepResult
 
-    model = make_model("llama")
-    hfpaged.patch(model, num_blocks=64, block_size=4, max_num_seqs=4)
-    prompts = random_prompts(LENGTHS[:4], seed=5)
-    expected = reference_generate(model, prompts, max_new_tokens=8, do_sample=False, eos_token_id=None)
-    got, engine, _ = run_engine(model, prompts, max_new_tokens=8, do_sample=False, eos_token_id=None)
-    assert got == expected
-    core = engine.core
+    core = greedy_core_of_a_short_run(make_model("llama"))
     assert core.num_overlapped_steps > 0 and core.num_ready_reads == core.num_overlapped_steps
 
     state = CachedRequestState("r", None, [1, 2], 2)
@@ -223,7 +228,6 @@ def test_ready_reads_count_steps_whose_tokens_landed_before_the_host_asked():
     done = StepResult(torch.tensor([8]), [CachedRequestState("s", None, [1], 1)])
     done._event = _Event(done=True)
     assert done.is_ready()
-    hfpaged.unpatch(model)
 
 
 @pytest.mark.gpu
@@ -240,12 +244,5 @@ def test_is_ready_follows_the_device_copy():
     assert result.result().token_ids == [7]
     assert result.is_ready()
 
-    model = make_model("llama").cuda()
-    hfpaged.patch(model, num_blocks=64, block_size=4, max_num_seqs=4)
-    prompts = random_prompts(LENGTHS[:4], seed=5)
-    expected = reference_generate(model, prompts, max_new_tokens=8, do_sample=False, eos_token_id=None)
-    got, engine, _ = run_engine(model, prompts, max_new_tokens=8, do_sample=False, eos_token_id=None)
-    assert got == expected
-    core = engine.core
+    core = greedy_core_of_a_short_run(make_model("llama").cuda())
     assert core.num_overlapped_steps > 0 and 0 <= core.num_ready_reads <= core.num_overlapped_steps
-    hfpaged.unpatch(model)
