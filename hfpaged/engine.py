@@ -142,8 +142,9 @@ class EngineCore:
             owner = owners.get(output.prompt_id)
             if owner is None:
                 continue
-            owner[0].outbox.append(output)
-            if output.finished and is_prompt_finished(owner[1]):
+            client, root = owner
+            client.outbox.append(output)
+            if output.finished and is_prompt_finished(root):
                 finished.append(output.prompt_id)  # after the loop: a beam search ends with several outputs
         for prompt_id in finished:
             self.owners.pop(prompt_id, None)

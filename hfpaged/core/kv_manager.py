@@ -111,11 +111,10 @@ class KVManager:
         blocks = self._blocks.get(rid)
         if blocks is None:
             blocks = self._blocks[rid] = []
-        bs, held = self.block_size, len(blocks)
-        needed = max(0, (num_tokens + bs - 1) // bs - held)
-        write_index = request.num_computed_tokens // bs
-        shared = write_index < held and pool.ref_counts[blocks[write_index]] > 1
-        if not needed and not shared:  # the usual decode: room in its own last block
+        needed = max(0, cdiv(num_tokens, self.block_size) - len(blocks))
+        write_index = request.num_computed_tokens // self.block_size
+        shared = write_index < len(blocks) and pool.ref_counts[blocks[write_index]] > 1
+        if needed + shared == 0:  # the usual decode: room in its own last block
             return True
         if pool.num_free_blocks - needed - shared < keep_free:
             return False

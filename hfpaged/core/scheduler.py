@@ -189,9 +189,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         if num_tokens:
-            start = request.num_computed_tokens
-            samples = start + num_tokens == request.num_tokens
-            scheduled[request.request_id] = ScheduledRequest(request.request_id, start, num_tokens, samples)
+            scheduled[request.request_id] = _scheduled(request, num_tokens, request.num_tokens)
         return num_tokens
 
     # --- one step ---------------------------------------------------------------------------------
@@ -233,9 +231,7 @@ class Scheduler:
                 num_new = min(num_tokens - start, budget)
             if request.status is not running:
                 continue
-            scheduled[request.request_id] = ScheduledRequest(
-                request.request_id, start, num_new, start + num_new == num_tokens
-            )
+            scheduled[request.request_id] = _scheduled(request, num_new, num_tokens)
             budget -= num_new
 
         if not out.preempted_ids:
@@ -315,12 +311,12 @@ class Scheduler:
         advanced: list[Request] = []
         outputs: list[RequestOutput] = []
         logprobs, top_logprobs, errors = result.logprobs, result.top_logprobs, result.errors
-        placeholder = 1 if out.overlapped else 0
         for row, (request_id, token_id) in enumerate(zip(result.request_ids, result.token_ids)):
             request = requests.get(request_id)
             if request is None:
                 continue
-            request.num_output_placeholders -= placeholder
+            if out.overlapped:
+                request.num_output_placeholders -= 1
             if errors and request_id in errors:
                 self.finish(request, "error", errors[request_id])
                 outputs.append(progress_output(request, 0))
@@ -390,3 +386,9 @@ class Scheduler:
             member.num_computed_tokens = num_computed
             self._forget(member)  # its tokens and table are another beam's now: the runner rebuilds its state
         return []
+
+
+def _scheduled(request: Request, num_new: int, num_tokens: int) -> ScheduledRequest:
+    """``num_new`` of ``request``'s tokens (``num_tokens`` in all, placeholders included) in this step."""
+    start = request.num_computed_tokens
+    return ScheduledRequest(request.request_id, start, num_new, samples=start + num_new == num_tokens)
