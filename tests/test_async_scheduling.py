@@ -237,9 +237,11 @@ def test_is_ready_follows_the_device_copy():
     from hfpaged.sampling.request_state import CachedRequestState
     from hfpaged.sampling.sampler import StepResult
 
+    tokens = torch.tensor([7], device="cuda")  # before the sleep: a copy from the host would wait for it
+    torch.empty(1, pin_memory=True)  # the pinned buffer the step takes comes from the host allocator's cache
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # ~0.1 s of device time ahead of the copy
-    result = StepResult(torch.tensor([7], device="cuda"), [CachedRequestState("r", None, [1], 1)])
+    result = StepResult(tokens, [CachedRequestState("r", None, [1], 1)])
     assert not result.is_ready()
     assert result.result().token_ids == [7]
     assert result.is_ready()
