@@ -87,6 +87,7 @@ def unpatch(model: PreTrainedModel) -> PreTrainedModel:
         with state.engine.lock:
             for request_id in list(state.engine.scheduler.requests):
                 state.engine.abort(request_id)
+            state.engine.runner.drop_graphs()  # also undoes the runner's gc.freeze() (EngineConfig.freeze_gc)
     for name in _METHODS:
         target.__dict__.pop(name, None)
     detach(target)

@@ -114,3 +114,32 @@ def test_cuda_out_of_memory_inside_a_step_is_reported_and_recovered_from():
     st = hfpaged.stats(model)
     assert st["num_free_blocks"] == st["num_blocks"] and not model._hfpaged.engine.scheduler.requests
     assert [r.token_ids for r in model.generate_many(prompts[:2], max_new_tokens=4, do_sample=False)] == expected
+
+
+def test_cuda_the_heap_is_frozen_after_the_captures_thawed_by_sleep_and_a_frozen_model_is_freed_on_del():
+    import gc
+    import weakref
+
+    model = patched()  # compiled layers, decode and mixed graphs
+    prompts = random_prompts(LENGTHS, seed=7)
+    expected = reference_generate(model, prompts, max_new_tokens=NEW, do_sample=False)
+    try:
+        assert greedy(model, prompts) == expected
+        runner = model._hfpaged.engine.runner
+        assert runner.graphs is not None and runner.mixed_graphs is not None
+        assert runner.heap.frozen and gc.get_freeze_count() > 0
+        hfpaged.sleep(model)
+        assert not runner.heap.frozen and gc.get_freeze_count() == 0
+        assert greedy(model, prompts) == expected  # woken, captured and frozen again
+        assert runner.heap.frozen and gc.get_freeze_count() > 0
+        # deleted without unpatch while frozen: reference counting alone must free the engine and the pool (a
+        # reference cycle among them would be kept for good by the freeze)
+        engine = weakref.ref(model._hfpaged.engine)
+        caches = weakref.ref(model._hfpaged.kv_caches[0][0])
+        del runner
+        gc.disable()
+        del model
+        assert engine() is None and caches() is None
+    finally:
+        gc.enable()
+        gc.unfreeze()

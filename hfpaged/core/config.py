@@ -41,6 +41,9 @@ class EngineConfig:
     dependent_launch: bool | None = None  # programmatic dependent launch inside steps (each Triton kernel, ours and
     # the compiled layers', starts while the kernel before it ends); None: on where supported (CUDA compute
     # capability 9.0+) except under tensor parallelism; True: required (an error where unsupported); False: off
+    freeze_gc: bool = True  # after each CUDA graph capture, gc.freeze() what the warm-up left behind (~10^5-10^6
+    # objects) so that Python's full collections skip it; undone when the engine drops its graphs (sleep, new
+    # weights, unpatch). False: leave the garbage collector alone
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -67,7 +70,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_scales is not None:
             self._check_kv_cache_scales()
-        for name in ("enforce_eager", "async_scheduling", "enable_prefix_caching", "sleep_when_idle"):
+        for name in ("enforce_eager", "async_scheduling", "enable_prefix_caching", "sleep_when_idle", "freeze_gc"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("compile", "fuse_projections", "dependent_launch"):

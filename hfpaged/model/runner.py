@@ -28,6 +28,7 @@ from ..sampling.sampler import Sampler, StepResult, all_plain_greedy
 from .attention import PagedStep, eval_mode, paged_forward
 from .cuda_graphs import StepGraphs
 from .fused_projections import fused_step
+from .gc_heap import HeapFreeze
 from .input_batch import DeviceStep, HostStep, InputBatch, device_views, padded_width, region_slices
 from .kv_quant import as_bytes
 from .tp_local import local_step
@@ -65,6 +66,7 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None  # decode-only steps, by batch bucket
         self.mixed_graphs: StepGraphs | None = None  # steps with prefill tokens, by token bucket
         self.use_mixed_graphs = True  # off once their capture ran out of memory
+        self.heap = HeapFreeze(state.config.freeze_gc)  # gc.freeze() after each capture (gc_heap.py)
         # compile=None (the default) compiles on CUDA; an error while compiling then falls back to eager layers
         self.compile = state.config.compile if state.config.compile is not None else self.device.type == "cuda"
         self._compiled = None
@@ -97,6 +99,7 @@ class ModelRunner:
         self.graphs = None
         self.mixed_graphs = None
         self._compiled = None
+        self.heap.thaw()  # what was frozen with them can be collected again
 
     # --- one step -------------------------------------------------------------------------------
 
@@ -334,6 +337,7 @@ class ModelRunner:
             self.capture_seconds["mixed" if mixed else "decode"] += time.perf_counter() - start
             if captured_ok:
                 captured = graphs
+                self.heap.freeze()
                 if mixed:
                     self.mixed_graphs = graphs
                 else:
