@@ -120,6 +120,9 @@ def generate_many(
         )
     if not requests:
         return []
+    if streamer is None and not progress:  # nothing reads the steps' outputs: the finished requests' only
+        for request in requests:
+            request.stream_outputs = False
     if streamer is not None and requests[0].group is not None:
         raise ValueError(
             "streamer= streams one sequence: not with num_beams > 1 or num_return_sequences > 1 "

@@ -234,6 +234,44 @@ def test_results_come_back_in_input_order_with_text_from_a_tokenizer(model):
     assert hfpaged.generate_many(model, texts[:1], max_new_tokens=6, do_sample=False)[0].token_ids == expected[0]
 
 
+def test_generate_many_is_handed_finished_sequences_only_while_an_engine_handle_keeps_its_steps(model, monkeypatch):
+    """Without a streamer or progress bar nothing reads generate_many's per-step outputs: the scheduler builds one
+    output per sequence, when it finishes, with all its tokens. Requests of other callers on the same engine keep
+    theirs, and so does generate_many with ``progress=True``."""
+    from hfpaged.engine import Client
+
+    seen = []
+    step = Client.step
+
+    def recording_step(self):
+        outputs = step(self)
+        seen.extend(outputs)
+        return outputs
+
+    monkeypatch.setattr(Client, "step", recording_step)
+    prompts = random_prompts([5, 9, 14], seed=2)
+    expected = reference_generate(model, prompts, max_new_tokens=6, do_sample=False)
+    engine = hfpaged.Engine(model)
+    other = engine.add_request(prompts[2], max_new_tokens=6, do_sample=False)
+    results = model.generate_many(prompts[:2], max_new_tokens=6, do_sample=False)
+    assert [r.token_ids for r in results] == expected[:2]
+    assert len(seen) == 2 and all(o.finished for o in seen)
+    assert sorted((o.index, o.new_token_ids) for o in seen) == [(0, expected[0]), (1, expected[1])]
+    seen.clear()
+    while engine.has_unfinished():  # the handle's request ran in the same steps, one output per step
+        engine.step()
+    assert [o.request_id for o in seen] == [other] * 6 and [t for o in seen for t in o.new_token_ids] == expected[2]
+    seen.clear()
+    samples = model.generate_many(prompts[:2], max_new_tokens=4, do_sample=True, num_return_sequences=3, seed=1)
+    assert len(seen) == 6 and all(o.finished and len(o.new_token_ids) == 4 for o in seen)
+    by_sequence = {(o.index, o.sequence_index): o.new_token_ids for o in seen}
+    assert by_sequence == {(i, j): s.token_ids for i, r in enumerate(samples) for j, s in enumerate(r.sequences)}
+    seen.clear()
+    model.generate_many(prompts[:1], max_new_tokens=4, do_sample=False, progress=True)
+    assert len(seen) == 4 and [o.finished for o in seen] == [False, False, False, True]
+    assert all_free(model)
+
+
 def test_engine_add_step_abort(model):
     engine = hfpaged.Engine(model)
     prompts = random_prompts([4, 9, 6], seed=12)

@@ -39,6 +39,7 @@ class RequestGroup:
         member.group = self
         member.sequence_index = sequence_index
         member.arrival_time = root.arrival_time
+        member.stream_outputs = root.stream_outputs
         self.members.append(member)
         return member
 
@@ -82,6 +83,9 @@ class Request:
         # Tokens sampled by an overlapped step whose values the host has not read yet: they count in
         # num_tokens (the next step is planned with them) and become real in update_from_output.
         self.num_output_placeholders = 0
+        # whether each step's new tokens are handed to the caller; False (generate_many without a streamer or
+        # progress bar): only the finished request's output, with all its tokens
+        self.stream_outputs = True
 
     @property
     def num_tokens(self) -> int:

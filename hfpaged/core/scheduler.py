@@ -23,7 +23,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from ..outputs import RequestOutput, progress_output, sequence_output
+from ..outputs import RequestOutput, final_output, progress_output, sequence_output
 from ..sampling.stopping import check_stops
 from .config import EngineConfig
 from .kv_manager import KVManager
@@ -334,7 +334,11 @@ class Scheduler:
         for request, reason in zip(advanced, check_stops(advanced)):
             if reason is not None:
                 self.finish(request, reason)
-        return outputs + [progress_output(request) for request in advanced]
+        return outputs + [
+            progress_output(request) if request.stream_outputs else final_output(request)
+            for request in advanced
+            if request.stream_outputs or request.status is RequestStatus.FINISHED
+        ]
 
     def _fork(self, parent: Request, index: int, params: RequestParams, sampled: SampledToken) -> Request:
         """Parallel sampling: sequence ``index`` of the parent's prompt forks off it with its own first token."""
