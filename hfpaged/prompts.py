@@ -237,8 +237,8 @@ class PromptMaker:
         resolved_by_config: dict[int, ResolvedConfig] = {}
         requests, longest = [], {}
         for index, spec in enumerate(specs):
-            if spec.has_own_settings:
-                resolved = resolve_generation_config(self.model, spec.generation_config, dict(spec.generate_kwargs))
+            if spec.has_own_settings:  # through the cache: prompts often differ only in a number (max_new_tokens)
+                resolved = self.resolved_configs.resolve(self.model, spec.generation_config, dict(spec.generate_kwargs))
                 key = ("own", index)
             else:  # resolve once per distinct config among prompts that only use the call's arguments
                 key = id(spec.generation_config)
