@@ -57,7 +57,7 @@ def progress_output(request: Request, num_new: int = 1) -> RequestOutput:
 
 def final_output(request: Request) -> RequestOutput:
     """A finished request's one output when its steps were not streamed: every token it generated."""
-    return progress_output(request, len(request.all_token_ids) - len(request.prompt_token_ids))
+    return progress_output(request, len(request.all_token_ids) - request.num_prompt_tokens)
 
 
 def sequence_output(root: Request, token_ids: list[int], *, finish_reason: str, sequence_index: int) -> RequestOutput:

@@ -337,7 +337,7 @@ class Scheduler:
         return outputs + [
             progress_output(request) if request.stream_outputs else final_output(request)
             for request in advanced
-            if request.stream_outputs or request.status is RequestStatus.FINISHED
+            if request.stream_outputs or request.is_finished
         ]
 
     def _fork(self, parent: Request, index: int, params: RequestParams, sampled: SampledToken) -> Request:
