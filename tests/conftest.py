@@ -59,3 +59,14 @@ def pool_is_free_after(request):
 
         stats = hfpaged.stats(model)
         assert stats["num_free_blocks"] == stats["num_blocks"], stats
+
+
+@pytest.fixture(autouse=True, scope="module")
+def heap_thawed_after_each_module():
+    """A graph capture (on CUDA, or faked on the CPU as in test_graph_padding) freezes the process's heap
+    (``EngineConfig.freeze_gc``) and the tests do not unpatch every model: thaw it after each module, so that no
+    module runs on another's freeze and the process does not end frozen."""
+    import gc
+
+    yield
+    gc.unfreeze()
