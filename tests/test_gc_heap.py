@@ -4,6 +4,8 @@ new storage, ``unpatch``) thaws it. Captures run on CUDA only (``test_gpu_reliab
 deletion of a frozen model included); here the runner's freeze is called where a capture would call it."""
 
 import gc
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -88,3 +90,17 @@ def test_freeze_gc_false_opts_out_and_a_bad_value_is_refused_leaving_the_model_a
         hfpaged.patch(model, num_blocks=32, block_size=4, freeze_gc="yes")
     assert model._hfpaged.config.freeze_gc is False  # still patched as before, and usable
     assert greedy(model, prompts) == expected
+
+
+def test_a_frozen_heap_is_thawed_at_exit():
+    """The first freeze registers ``gc.unfreeze`` with atexit: the interpreter's last collection reaches every object
+    again (a check registered before the freeze runs after the thaw)."""
+    code = (
+        "import atexit, gc\n"
+        "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count()))\n"
+        "from hfpaged.model.gc_heap import HeapFreeze\n"
+        "HeapFreeze(True).freeze(); HeapFreeze(True).freeze()\n"
+        "print('frozen:', gc.get_freeze_count() > 0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.split("\n")[:2] == ["frozen: True", "frozen at exit: 0"]

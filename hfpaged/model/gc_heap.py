@@ -11,7 +11,10 @@ it captured, so that what it lets go of can be collected even where it sits in a
 
 from __future__ import annotations
 
+import atexit
 import gc
+
+_thaw_at_exit = []  # the atexit registration, made once at the first freeze
 
 
 class HeapFreeze:
@@ -27,6 +30,8 @@ class HeapFreeze:
             gc.collect()
             gc.freeze()
             self.frozen = True
+            if not _thaw_at_exit:  # let the interpreter's last collection reach the frozen objects, as without it
+                _thaw_at_exit.append(atexit.register(gc.unfreeze))
 
     def thaw(self) -> None:
         """Undo ``freeze``. Process-wide: another engine's freeze is undone too, until that engine captures again."""
