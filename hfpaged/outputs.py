@@ -47,7 +47,7 @@ def progress_output(request: Request, num_new: int = 1) -> RequestOutput:
         None if logprobs is None else logprobs[len(logprobs) - num_new :],
         None if top is None else top[len(top) - num_new :],
         ids,
-        len(request.prompt_token_ids),
+        request.num_prompt_tokens,
         len(ids),
         request.sequence_index,
         request.error,

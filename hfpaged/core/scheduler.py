@@ -212,9 +212,8 @@ class Scheduler:
                     decodes.append((r, num_tokens))
             elif behind > 1:
                 prefills.append((r, num_tokens))
-        decodes += prefills
         allocate, running = self.kv.allocate, RequestStatus.RUNNING
-        for request, num_tokens in decodes:
+        for request, num_tokens in decodes + prefills:
             if budget == 0:
                 break
             if request.status is not running:
