@@ -54,6 +54,7 @@ class AttentionConfig:
     num_splits: int = 1
     min_split_tiles: int = 1
     split_target_programs: int = 0  # > 0: splits sized on the device so the batch's keys make ~this many programs
+    one_query: bool = False  # every sequence has exactly one query token (program i is sequence i: no lookup)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -116,9 +117,14 @@ def choose_config(
             if mid_tile is not None:
                 tile_n, num_warps, num_stages = mid_tile
         num_splits = split_count(active_programs, max_seqlen_k, sm_count, programs_per_sm)
+        # one query token per sequence (each at most max_seqlen_q = 1, T of them over T sequences): programs map to
+        # sequences by their index, without the search over cu_seqlens_q
+        one_query = max_seqlen_q == 1 and num_tokens == num_seqs
         if num_splits == 1:
-            return AttentionConfig(block_m, tile_n, num_warps, num_stages)
-        return AttentionConfig(block_m, tile_n, num_warps, num_stages, num_splits, min_tiles, target_per_sm * sm_count)
+            return AttentionConfig(block_m, tile_n, num_warps, num_stages, one_query=one_query)
+        return AttentionConfig(
+            block_m, tile_n, num_warps, num_stages, num_splits, min_tiles, target_per_sm * sm_count, one_query
+        )
     if elem_size == 4:
         block_m, tile_n, num_warps, num_stages = (64, 32, 4, 2) if head_dim_pad <= 128 else (32, 32, 4, 2)
     elif head_dim_pad <= 128:

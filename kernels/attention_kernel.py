@@ -102,6 +102,7 @@ def _paged_attention_kernel(
     CTX_KV: tl.constexpr = False,  # unmasked whole tiles of cached context (fp8: of all keys) load from copied rows
     FP8_DOT_F16: tl.constexpr = True,  # fp8 caches with bf16 queries: dots in fp16 (False: upcast K/V to bf16)
     USE_PDL: tl.constexpr = False,  # programmatic dependent launch (dependent_launch.py)
+    ONE_QUERY: tl.constexpr = False,  # one query token per sequence; program i is sequence i (AttentionConfig.one_query)
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -109,12 +110,20 @@ def _paged_attention_kernel(
 
     # the sequence lookup reads step inputs only: it may overlap the previous kernel (store_kv); q and the caches
     # are read after the wait
-    seq, q_start, q_end, seq_len = _locate_sequence(
-        cu_seqlens_q_ptr, seq_lens_ptr, program, num_seqs, BLOCK_Q, SEARCH_BLOCK
-    )
+    if ONE_QUERY:  # every sequence has one query token (the caller guarantees it): program i is sequence i
+        seq = program
+        q_start = program
+        q_end = program + 1
+        seq_len = tl.load(seq_lens_ptr + program)
+    else:
+        seq, q_start, q_end, seq_len = _locate_sequence(
+            cu_seqlens_q_ptr, seq_lens_ptr, program, num_seqs, BLOCK_Q, SEARCH_BLOCK
+        )
     wait_for_previous_kernel(USE_PDL)
     q_len = q_end - q_start
-    if BLOCK_Q > 1:
+    if ONE_QUERY:
+        q_block = 0
+    elif BLOCK_Q > 1:
         # Last query block first: the heaviest causal blocks start early, the light ones fill the tail.
         num_q_blocks = tl.cdiv(q_len, BLOCK_Q)
         q_block = num_q_blocks - 1 - (program - (q_start // BLOCK_Q + seq))

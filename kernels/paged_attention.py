@@ -209,7 +209,10 @@ def paged_attention_with_config(
         return out
     block_m = max(config.block_m, next_power_of_2(group))
     block_q = max(1, block_m // group)
-    num_programs = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
+    if config.one_query:  # one query token per sequence: one program each
+        num_programs = num_seqs
+    else:
+        num_programs = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     head_dim_v_pad = next_power_of_2(max(16, head_dim_v))
     use_softcap = softcap is not None and softcap > 0
     use_window = sliding_window is not None and sliding_window > 0
@@ -278,11 +281,12 @@ def paged_attention_with_config(
         USE_WINDOW=use_window,
         SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        SEARCH_BLOCK=search_block(num_seqs),
+        SEARCH_BLOCK=16 if config.one_query else search_block(num_seqs),  # unused with one_query: one variant
         KV_FP8=fp8,
         STEP_KV=k_desc is not None,
         CTX_KV=ctx_offsets is not None,
         USE_PDL=launch_pdl,
+        ONE_QUERY=config.one_query,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(launch_pdl),

@@ -694,3 +694,34 @@ def test_gpu_dependent_launch_equals_plain_launch_in_a_graph(kind):
         expected = run(False, [(k0.clone(), v0.clone()) for k0, v0 in base])
         torch.cuda.synchronize()
         assert torch.equal(out, expected), f"replay {seed}: {(out != expected).sum()} elements differ"
+
+
+@pytest.mark.parametrize("group", [1, 2, 4], ids=["mha", "group2", "group4"])
+def test_one_query_decode_map_equals_the_searched_map(group):
+    # AttentionConfig.one_query (every sequence has one query token: program i is sequence i, one program per
+    # sequence) against the kernel's search over cu_seqlens_q, bitwise, into NaN-poisoned outputs; with a split and
+    # without. choose_config sets it only for such batches.
+    from hfpaged.kernels import attention_config as ac
+
+    seq_lens = [1, 17, 40, 3, 64, 33, 5, 70]
+    batch = make_batch([1] * len(seq_lens), seq_lens, num_heads=2 * group, num_kv_heads=2, head_dim=32,
+                       block_size=16, dtype=torch.float16 if not CUDA else torch.bfloat16)  # fmt: skip
+    for config in (AttentionConfig(16, 16, 4, 1), AttentionConfig(16, 32, 4, 1, num_splits=3)):
+        searched = paged_attention_with_config(**batch, scale=0.2, config=config, out=poisoned_out(batch))
+        direct = paged_attention_with_config(
+            **batch, scale=0.2, config=ac.AttentionConfig(**{**vars(config), "one_query": True}),
+            out=poisoned_out(batch),
+        )  # fmt: skip
+        assert not searched.isnan().any()
+        assert torch.equal(direct, searched)
+
+    def chosen(num_tokens, num_seqs, max_seqlen_q):
+        return ac.choose_config(
+            num_tokens=num_tokens, num_seqs=num_seqs, num_kv_heads=2, group=group, head_dim_pad=32, elem_size=2,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=70, device=torch.device("cpu"),
+        ).one_query  # fmt: skip
+
+    assert chosen(8, 8, 1)
+    assert not chosen(9, 8, 2)  # a sequence with two query tokens
+    assert not chosen(7, 8, 1)  # a sequence with none
+    assert not chosen(16, 8, 4)
