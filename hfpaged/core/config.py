@@ -41,6 +41,10 @@ class EngineConfig:
     dependent_launch: bool | None = None  # programmatic dependent launch inside steps (each Triton kernel, ours and
     # the compiled layers', starts while the kernel before it ends); None: on where supported (CUDA compute
     # capability 9.0+) except under tensor parallelism; True: required (an error where unsupported); False: off
+    gemv: bool | None = None  # steps of one token (batch-1 decode) run their linear projections (not the LM head)
+    # as a Triton GEMV that loads its weights before the dependent-launch wait (kernels/gemv.py; 16-bit weights;
+    # not bitwise equal to cuBLAS); None: on where dependent launch is on; True: on (CUDA, or Triton's CPU
+    # interpreter); False: off (cuBLAS, exact with fuse_projections=False)
     freeze_gc: bool = True  # after each CUDA graph capture, gc.freeze() what the warm-up left behind (~10^5-10^6
     # objects) so that Python's full collections skip it; undone when the engine drops its graphs (sleep, new
     # weights, unpatch). False: leave the garbage collector alone
@@ -73,7 +77,7 @@ class EngineConfig:
         for name in ("enforce_eager", "async_scheduling", "enable_prefix_caching", "sleep_when_idle", "freeze_gc"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        for name in ("compile", "fuse_projections", "dependent_launch"):
+        for name in ("compile", "fuse_projections", "dependent_launch", "gemv"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
         if self.compile_cache_dir is not None and not isinstance(self.compile_cache_dir, str):

@@ -235,6 +235,8 @@ def _attach(
             check_fp8_device(device, kv_dtype, config.kv_cache_dtype)
     if config.dependent_launch:
         check_dependent_launch(layers, config.attention_backend)
+    if config.gemv:
+        check_gemv(layers)
     num_blocks = size_pool(model, config, layers, attn_configs, input_device, model_len, lock)
     if tp is not None:
         num_blocks = tp.min_int(num_blocks)  # a block id names the same slots on every rank
@@ -265,6 +267,8 @@ def _attach(
         tp=tp,
         local_tp=projections,
     )
+    if config.gemv or (config.gemv is None and state.dependent_launch):
+        fused.enable_gemv(model, launch_pdl=state.dependent_launch)
     if kv_dtype is not None:
         state.kv_scales, state.kv_scale_source = initial_scales(layers, config)
         state.calibration_pending = state.kv_scale_source == "calibration"
@@ -295,6 +299,19 @@ def check_dependent_launch(layers: list[LayerRecord], attention_backend: str) ->
         raise ValueError("dependent_launch=True applies to the Triton kernels; attention_backend='torch' runs none")
     for device in sorted({layer.device for layer in layers}, key=str):
         check_launch_pdl(True, device, "dependent_launch")
+
+
+def check_gemv(layers: list[LayerRecord]) -> None:
+    """Raise ValueError unless the GEMV can run on every layer's device (``gemv=True`` asks for it): CUDA, or
+    Triton's CPU interpreter."""
+    from ..kernels._checks import interpreting
+
+    devices = sorted({layer.device for layer in layers}, key=str)
+    if any(device.type != "cuda" for device in devices) and not interpreting():
+        raise ValueError(
+            f"gemv=True runs a Triton kernel: it needs CUDA devices (or TRITON_INTERPRET=1), got "
+            f"{', '.join(map(str, devices))}; leave gemv None or False there"
+        )
 
 
 def bind_caches(state: PatchState, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

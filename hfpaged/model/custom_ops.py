@@ -37,7 +37,7 @@ _sizes_lock = threading.RLock()  # one compiled forward at a time sets and resto
 
 
 def register_custom_ops() -> None:
-    """Register ``hfpaged::store_kv`` and ``hfpaged::paged_attention`` (once per process)."""
+    """Register ``hfpaged::store_kv``, ``hfpaged::paged_attention`` and ``hfpaged::gemv`` (once per process)."""
     global _registered
     if _registered:
         return
@@ -118,6 +118,16 @@ def register_custom_ops() -> None:
         value,
     ) -> torch.Tensor:
         return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+
+    from ..kernels import gemv
+
+    @torch.library.custom_op("hfpaged::gemv", mutates_args=())
+    def gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, launch_pdl: bool) -> torch.Tensor:
+        return gemv.linear_few_rows(x, weight, bias, launch_pdl=launch_pdl)
+
+    @gemv_op.register_fake
+    def _gemv_fake(x, weight, bias, launch_pdl) -> torch.Tensor:
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
 
     _registered = True
 

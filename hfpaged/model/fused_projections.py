@@ -17,6 +17,10 @@ each step every group checks it is still intact (same modules, each weight still
 one that is not (a new ``Parameter``, ``.data`` swapped, a module replaced, a PEFT layer wrapped around it,
 ``model.to``) is dropped for good and its modules run alone. ``unfuse`` (at ``unpatch``) gives every member its
 own storage again.
+
+One-row steps (``EngineConfig.gemv``, ``enable_gemv``): the groups' GEMMs and every other plain ``Linear`` of the
+model except its output embedding ("single" projections, which get a step forward the same way, weights left where
+they are) run ``kernels/gemv.py``'s GEMV when their input is one row, through the ``hfpaged::gemv`` custom op.
 """
 
 from __future__ import annotations
@@ -105,6 +109,7 @@ class FusedGroup:
         # trace to one graph (a functools.partial per member was guarded by its id: a graph per layer, until
         # dynamo's recompile limit left the remaining layers uncompiled)
         self.forwards = [types.MethodType(_fused_forward, member) for member in self.members]
+        self.gemv: bool | None = None  # one-row inputs by the GEMV (its launch_pdl); None: F.linear always
         self.thread: int | None = None  # the thread running the paged step (other threads never use the stash)
         self.input: torch.Tensor | None = None  # per step: the input of the stashed output
         self.parts: tuple[torch.Tensor, ...] = ()
@@ -159,7 +164,7 @@ def _fused_forward(member: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     group, index = fused
     if group.input is not x:
         group.input = x
-        group.parts = F.linear(x, group.weight, group.bias).split(group.sizes, dim=-1)
+        group.parts = project(x, group.weight, group.bias, group.gemv).split(group.sizes, dim=-1)
         group.num_left = len(group.sizes)
     part = group.parts[index]
     group.num_left -= 1
@@ -168,12 +173,70 @@ def _fused_forward(member: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return part
 
 
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv: bool | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; a one-row ``x`` by the GEMV custom op where ``gemv`` is not None (its value:
+    launch_pdl)."""
+    if gemv is None or x.numel() != x.shape[-1]:
+        return F.linear(x, weight, bias)
+    return torch.ops.hfpaged.gemv(x, weight, bias, gemv)
+
+
+def _single_forward(member: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A single projection's forward inside a paged step: ``project`` with the engine's GEMV setting."""
+    single = getattr(member, "_hfpaged_single", None)  # (thread, launch_pdl) while the step runs
+    if single is None or (not torch.compiler.is_compiling() and threading.get_ident() != single[0]):
+        return F.linear(x, member.weight, member.bias)  # another thread's direct call: stock
+    return project(x, member.weight, member.bias, single[1])
+
+
 class FusedProjections:
-    """The fused groups of one model."""
+    """The fused groups of one model, and (with the GEMV on) its single projections."""
 
     def __init__(self, groups: list[FusedGroup]):
         self.groups = groups
         self.broken: list[FusedGroup] = []  # no longer intact: never fused again
+        self.singles: list[tuple[torch.nn.Module, str, torch.nn.Linear]] = []  # (parent, name, module), GEMV only
+        self.gemv: bool | None = None  # one-row projections by the GEMV (its launch_pdl); None: off
+
+    def enable_gemv(self, model: torch.nn.Module, launch_pdl: bool) -> int:
+        """One-row inputs of the groups and of every other plain ``Linear`` but the output embedding by the GEMV
+        (``kernels/gemv.py``) in paged steps; returns how many projections take it."""
+        from ..kernels.gemv import gemv_supports
+        from .custom_ops import register_custom_ops
+
+        register_custom_ops()
+        self.gemv = launch_pdl
+        for group in self.groups:
+            group.gemv = launch_pdl if gemv_supports(group.weight, group.bias) else None
+        grouped = {id(m) for group in self.groups for m in group.members}
+        output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.singles = [
+            (parent, name, module)
+            for parent in model.modules()
+            for name, module in parent._modules.items()
+            if module is not output and id(module) not in grouped and _single_ok(module)
+        ]
+        return self.num_gemv
+
+    def warm_up_gemv(self) -> None:
+        """Compile the GEMV's variants (one per distinct weight shape) before any CUDA graph capture."""
+        from ..kernels.gemv import linear_few_rows
+
+        if self.gemv is None:
+            return
+        seen = set()
+        params = [(m.weight, m.bias) for _, _, m in self.singles]
+        params += [(g.weight, g.bias) for g in self.groups if g.gemv is not None]
+        for weight, bias in params:
+            key = (tuple(weight.shape), weight.stride(0), weight.dtype, weight.device, bias is None)
+            if key not in seen:
+                seen.add(key)
+                linear_few_rows(weight.new_zeros(1, weight.shape[1]), weight, bias, launch_pdl=self.gemv)
+
+    @property
+    def num_gemv(self) -> int:
+        """Projections whose one-row inputs take the GEMV."""
+        return len(self.singles) + sum(group.gemv is not None for group in self.groups)
 
     @contextmanager
     def step(self) -> Iterator[None]:
@@ -185,6 +248,14 @@ class FusedProjections:
             # members still viewing a buffer get their own storage at unfuse; the others' buffers are freed now
             self.broken += [group for group in broken if group.views()]
         saved = {}  # a sharded member's forward before the step (tp_local's step forward): put back after
+        singles = [s for s in self.singles if s[0]._modules.get(s[1]) is s[2] and _single_ok(s[2])]
+        if len(singles) != len(self.singles):
+            logger.info("hfpaged: %d single projections changed; they run stock", len(self.singles) - len(singles))
+            self.singles = singles
+        thread = threading.get_ident()
+        for _, _, module in singles:
+            module.__dict__["_hfpaged_single"] = (thread, self.gemv)
+            module.__dict__["forward"] = types.MethodType(_single_forward, module)
         for group in self.groups:
             group.thread = threading.get_ident()
             for index, (member, forward) in enumerate(zip(group.members, group.forwards)):
@@ -195,6 +266,9 @@ class FusedProjections:
         try:
             yield
         finally:
+            for _, _, module in singles:
+                module.__dict__.pop("forward", None)
+                module.__dict__.pop("_hfpaged_single", None)
             for group in self.groups:
                 group.clear()
                 group.thread = None
@@ -208,7 +282,16 @@ class FusedProjections:
         """Every member's parameters in their own storage again, one group at a time."""
         for group in self.groups + self.broken:
             group.unfuse()
-        self.groups, self.broken = [], []
+        self.groups, self.broken, self.singles, self.gemv = [], [], [], None
+
+
+def _single_ok(module: torch.nn.Module) -> bool:
+    """A plain Linear without hooks whose weight (and bias) the GEMV takes."""
+    from ..kernels.gemv import gemv_supports
+
+    if not _plain_linear(module) or module._forward_hooks or module._forward_pre_hooks:
+        return False
+    return gemv_supports(module.weight, module.bias)
 
 
 def fuse_projections(
@@ -233,7 +316,7 @@ def fuse_projections(
 @contextmanager
 def fused_step(fused: FusedProjections | None) -> Iterator[None]:
     """``fused.step()``, or nothing when the model has no fused projections."""
-    if fused is None or not fused.groups:
+    if fused is None or not (fused.groups or fused.singles):
         yield
         return
     with fused.step():

@@ -69,6 +69,7 @@ class ModelRunner:
         self.heap = HeapFreeze(state.config.freeze_gc)  # gc.freeze() after each capture (gc_heap.py)
         # compile=None (the default) compiles on CUDA; an error while compiling then falls back to eager layers
         self.compile = state.config.compile if state.config.compile is not None else self.device.type == "cuda"
+        self._gemv = getattr(state.fused_projections, "gemv", None) is not None  # one-row projections by the GEMV
         self._compiled = None
         self._compile_cache = None  # compile: the on-disk artifacts (compile_cache.py), found at first use
         self._warmed = False
@@ -251,6 +252,7 @@ class ModelRunner:
                 kv_scales=None if layer_scales is None else (layer_scales[0:1], layer_scales[1:2]),
                 launch_pdl=self.state.dependent_launch,
             )
+        self.state.fused_projections.warm_up_gemv()
         torch.cuda.synchronize(self.device)
         self.warmup_seconds = time.perf_counter() - start
 
@@ -307,6 +309,7 @@ class ModelRunner:
                 "kv_cache_dtype": self.config.kv_cache_dtype,
                 "fuse_projections": bool(getattr(self.state.fused_projections, "groups", None)),
                 "dependent_launch": self.state.dependent_launch,
+                "gemv": self._gemv,
             }
             self._compile_cache = CompileCache.for_model(
                 self.model, self.device, self.config.compile_cache_dir, options
@@ -328,8 +331,9 @@ class ModelRunner:
                 mixed=mixed,
                 max_num_tokens=self.config.max_num_batched_tokens,
                 # compiled layers: a lone sequence pads into the 2-row graph, so dynamo traces one layer graph
-                # (batch 1 would specialise a second one: seconds of every start for a few us per token)
-                min_batch=2 if self.compile and not mixed else 1,
+                # (batch 1 would specialise a second one: seconds of every start for a few us per token), unless
+                # one-row steps take the GEMV (gemv: ~0.1-0.5 ms per token, session 19)
+                min_batch=2 if self.compile and not mixed and not self._gemv else 1,
             )
             start = time.perf_counter()
             forward = functools.partial(self._graph_forward, mixed=True) if mixed else self._graph_forward

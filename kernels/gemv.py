@@ -1,0 +1,155 @@
+"""Linear projections of one or two rows (decode steps of one sequence) as a Triton GEMV.
+
+At a row or two a projection is a read of its weight: cuBLAS's kernels reach ~1 TB/s on the 4-12 MB
+projections of a small model (a latency floor of ~5-8 us each, notes/engine_perf.md, session 10), and they take no
+part in programmatic dependent launch. This kernel gives each program a slice of BLOCK_N output features and loads
+the whole ``[BLOCK_N, K]`` slice of the weight into registers *before* its dependent-launch wait: weights are no
+kernel's output within a step, so with dependent launch those loads overlap the kernel before it
+(``dependent_launch.py``). After the wait it reads the rows, reduces in fp32 and writes them; it signals the next
+kernel after its wait, as every hfpaged kernel does. Not bitwise equal to cuBLAS (another summation order); the
+engine uses it for 16-bit weights only (``EngineConfig.gemv``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import check_devices, launches_on_first_tensor_gpu, next_power_of_2
+from .attention_config import _sm_count
+from .dependent_launch import launch_options, wait_for_previous_kernel
+
+GEMV_MAX_ROWS = 2  # rows (tokens) at or below which a projection takes the GEMV (a compiled batch-1 step pads to 2)
+REGISTER_ELEMENTS = 32768  # weight elements one program holds: 128 per thread at GEMV_NUM_WARPS warps
+GEMV_NUM_WARPS = 8
+GEMV_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@triton.jit  # N and stride_w specialized (divisible by 16): aligned vector loads of the weight rows
+def _gemv_kernel(
+    x_ptr,  # [ROWS, K], unit stride along K
+    w_ptr,  # [N, K], unit stride along K
+    b_ptr,  # [N] (read when HAS_BIAS)
+    y_ptr,  # [ROWS, N], unit stride along N
+    N,
+    stride_x,
+    stride_w,
+    stride_y,
+    ROWS: tl.constexpr,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, K_PAD)
+    n_ok = offs_n < N
+    k_ok = offs_k < K
+    # the program's whole weight slice first: no kernel of the step writes weights, so these loads may run before
+    # the wait (under dependent launch, while the previous kernel finishes)
+    w = tl.load(
+        w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :],
+        mask=n_ok[:, None] & k_ok[None, :],
+        other=0.0,
+    )
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    wait_for_previous_kernel(USE_PDL)
+    for row in tl.static_range(ROWS):
+        x = tl.load(x_ptr + row * stride_x + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if HAS_BIAS:
+            acc += bias
+        tl.store(y_ptr + row * stride_y + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+def gemv_block_n(num_features: int, in_features: int, device: torch.device) -> int:
+    """Output features per program: as many as REGISTER_ELEMENTS allows for the padded input width, and no more
+    than gives about one program per SM (the weight then streams in one wave)."""
+    per_sm = next_power_of_2(max(1, num_features // _sm_count(device)))
+    return max(1, min(REGISTER_ELEMENTS // next_power_of_2(in_features), per_sm))
+
+
+def gemv_supports(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether ``linear_few_rows`` takes this weight (and bias): 2-D, 16-bit, unit stride along the input, an input
+    width whose padded slice fits REGISTER_ELEMENTS, a bias (if any) of the weight's dtype, device and features."""
+    if weight.dim() != 2 or weight.dtype not in GEMV_DTYPES or weight.stride(1) != 1 or weight.shape[0] == 0:
+        return False
+    if next_power_of_2(weight.shape[1]) > REGISTER_ELEMENTS:
+        return False
+    return bias is None or (
+        bias.shape == (weight.shape[0],) and bias.dtype == weight.dtype and bias.device == weight.device
+    )
+
+
+@launches_on_first_tensor_gpu
+def linear_few_rows(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, launch_pdl: bool = False
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for at most GEMV_MAX_ROWS rows (``x`` is ``[..., K]``) by the GEMV kernel;
+    ``gemv_supports(weight, bias)`` must hold and ``x`` must have the weight's dtype. ``launch_pdl``: programmatic
+    dependent launch (``dependent_launch.py``)."""
+    check_devices(x=x, weight=weight, **({} if bias is None else {"bias": bias}))
+    if not gemv_supports(weight, bias):
+        raise ValueError(
+            f"linear_few_rows takes a 2-D {'/'.join(str(d) for d in GEMV_DTYPES)} weight with unit stride along its "
+            f"input of at most {REGISTER_ELEMENTS} (padded) and a matching bias; got weight {list(weight.shape)} "
+            f"{weight.dtype} strides {weight.stride()}"
+            + ("" if bias is None else f", bias {list(bias.shape)} {bias.dtype}")
+        )
+    num_features, in_features = weight.shape
+    if x.shape[-1] != in_features or x.dtype != weight.dtype:
+        raise ValueError(
+            f"x must be [..., {in_features}] {weight.dtype} (the weight's input width and dtype), got "
+            f"{list(x.shape)} {x.dtype}"
+        )
+    rows = x.reshape(-1, in_features)
+    if rows.shape[0] > GEMV_MAX_ROWS:
+        raise ValueError(f"linear_few_rows takes at most {GEMV_MAX_ROWS} rows, got {rows.shape[0]}")
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(*x.shape[:-1], num_features, dtype=x.dtype, device=x.device)
+    if rows.shape[0] == 0:
+        return out
+    block_n = gemv_block_n(num_features, in_features, x.device)
+    _gemv_kernel[(triton.cdiv(num_features, block_n),)](
+        rows,
+        weight,
+        weight if bias is None else bias,
+        out,
+        num_features,
+        rows.stride(0),
+        weight.stride(0),
+        num_features,
+        ROWS=rows.shape[0],
+        K=in_features,
+        K_PAD=next_power_of_2(in_features),
+        BLOCK_N=block_n,
+        HAS_BIAS=bias is not None,
+        USE_PDL=launch_pdl,
+        num_warps=GEMV_NUM_WARPS,
+        **launch_options(launch_pdl),
+    )
+    return out
+    block_n = gemv_block_n(num_features, in_features, x.device)
+    _gemv_kernel[(triton.cdiv(num_features, block_n),)](
+        rows,
+        weight,
+        weight if bias is None else bias,
+        out,
+        rows.shape[0],
+        num_features,
+        in_features,
+        rows.stride(0),
+        weight.stride(0),
+        num_features,
+        K_PAD=next_power_of_2(in_features),
+        BLOCK_N=block_n,
+        HAS_BIAS=bias is not None,
+        USE_PDL=launch_pdl,
+        num_warps=GEMV_NUM_WARPS,
+        **launch_options(launch_pdl),
+    )
+    return out

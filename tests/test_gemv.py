@@ -1,0 +1,123 @@
+"""One-row projections by the Triton GEMV (kernels/gemv.py, EngineConfig.gemv) on the CPU, in Triton's interpreter
+(conftest sets TRITON_INTERPRET=1): the kernel against a float32 reference, its argument checks, and the engine's
+routing (one-row steps only, every projection but the LM head, nothing left behind by unpatch)."""
+
+import pytest
+import torch
+from models import make_model, random_prompts, reference_generate
+
+import hfpaged
+from hfpaged.kernels import gemv as gemv_kernels
+from hfpaged.kernels.gemv import GEMV_MAX_ROWS, linear_few_rows
+
+NEW = 8
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (100, 48), (33, 200), (7, 1000)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_gemv_matches_a_float32_reference(shape, bias):
+    num_features, in_features = shape
+    gen = torch.Generator().manual_seed(num_features)
+    weight = (torch.randn(num_features, in_features, generator=gen) / in_features**0.5).half()
+    b = torch.randn(num_features, generator=gen).half() if bias else None
+    for x in (torch.randn(1, in_features, generator=gen).half(), torch.randn(1, 1, in_features, generator=gen).half(),
+              torch.randn(2, in_features, generator=gen).half()[1:]):  # fmt: skip
+        out = linear_few_rows(x, weight, b)
+        ref = torch.nn.functional.linear(x.float(), weight.float(), None if b is None else b.float())
+        assert out.shape == ref.shape and out.dtype == torch.float16
+        torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+    rows = torch.randn(GEMV_MAX_ROWS, in_features, generator=gen).half()
+    ref = torch.nn.functional.linear(rows.float(), weight.float(), None if b is None else b.float())
+    torch.testing.assert_close(linear_few_rows(rows, weight, b).float(), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_gemv_refuses_what_it_does_not_take():
+    weight = torch.randn(16, 32).half()
+    with pytest.raises(ValueError, match="at most"):
+        linear_few_rows(torch.randn(GEMV_MAX_ROWS + 1, 32).half(), weight)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 32\] torch.float16"):
+        linear_few_rows(torch.randn(1, 32), weight)  # float32 input for a float16 weight
+    with pytest.raises(ValueError, match="unit stride"):
+        linear_few_rows(torch.randn(1, 32), torch.randn(16, 32))  # float32 weight
+    with pytest.raises(ValueError, match="unit stride"):
+        linear_few_rows(torch.randn(1, 16).half(), weight.t())  # strided along its input
+    with pytest.raises(ValueError, match="bias"):
+        linear_few_rows(torch.randn(1, 32).half(), weight, torch.randn(8).half())
+
+
+@pytest.fixture
+def gemv_calls(monkeypatch):
+    """Weight shapes of every GEMV call (the custom op looks the function up at each call)."""
+    calls = []
+    original = gemv_kernels.linear_few_rows
+
+    def spy(x, weight, bias=None, **kwargs):
+        calls.append((tuple(x.shape), tuple(weight.shape)))
+        return original(x, weight, bias, **kwargs)
+
+    monkeypatch.setattr(gemv_kernels, "linear_few_rows", spy)
+    return calls
+
+
+@pytest.mark.parametrize("arch,fuse", [("llama", True), ("qwen3", None)], ids=["llama_fused", "qwen3_unfused"])
+def test_one_row_steps_take_the_gemv_and_stay_greedy_exact(arch, fuse, gemv_calls):
+    # float16 on the CPU: the GEMV sums in float32 like the stock matmul; these prompts give the same tokens.
+    model = make_model(arch, dtype=torch.float16)
+    prompts = random_prompts([5, 11], seed=4)
+    expected = reference_generate(model, prompts, max_new_tokens=NEW, do_sample=False)
+    before = {name: module.forward for name, module in model.named_modules()}
+    hfpaged.patch(model, num_blocks=48, block_size=4, gemv=True, fuse_projections=fuse)
+    fused = model._hfpaged.fused_projections
+    layers = model.config.num_hidden_layers
+    # fused: q/k/v and gate/up as two groups, o and down alone; unfused (the CPU default): seven projections
+    assert fused.num_gemv == (4 if fuse else 7) * layers
+    assert not any(s[2] is model.get_output_embeddings() for s in fused.singles)  # the LM head stays stock
+    results = model.generate_many(prompts[:1], max_new_tokens=NEW, do_sample=False)
+    assert [r.token_ids for r in results] == expected[:1]
+    # the prompt step has rows: stock; each of the NEW - 1 decode steps: one call per projection
+    assert len(gemv_calls) == (NEW - 1) * fused.num_gemv
+    assert all(x[:-1] in ((1,), (1, 1)) for x, _ in gemv_calls)
+    gemv_calls.clear()
+    results = model.generate_many(prompts, max_new_tokens=NEW, do_sample=False)  # two rows per step: no GEMV
+    assert [r.token_ids for r in results] == expected and gemv_calls == []
+    hfpaged.unpatch(model)
+    assert not any("forward" in module.__dict__ for module in model.modules())
+    assert {name: module.forward for name, module in model.named_modules()}.keys() == before.keys()
+    assert reference_generate(model, prompts, max_new_tokens=NEW, do_sample=False) == expected
+
+
+def test_gemv_off_by_option_and_on_cpu_by_default(gemv_calls):
+    model = make_model("llama", dtype=torch.float16)
+    prompts = random_prompts([6], seed=2)
+    for options in ({}, {"gemv": False}):  # the CPU default: off (no dependent launch)
+        hfpaged.patch(model, num_blocks=32, block_size=4, **options)
+        assert model._hfpaged.fused_projections.num_gemv == 0
+        model.generate_many(prompts, max_new_tokens=4, do_sample=False)
+        assert gemv_calls == []
+        hfpaged.unpatch(model)
+
+
+def test_float32_weights_keep_cublas_and_parity(gemv_calls):
+    # the GEMV takes 16-bit weights only: a float32 model patched with gemv=True routes nothing, exact as before
+    model = make_model("qwen3")
+    prompts = random_prompts([7], seed=6)
+    expected = reference_generate(model, prompts, max_new_tokens=NEW, do_sample=False)
+    hfpaged.patch(model, num_blocks=32, block_size=4, gemv=True)
+    assert model._hfpaged.fused_projections.num_gemv == 0
+    assert [r.token_ids for r in model.generate_many(prompts, max_new_tokens=NEW, do_sample=False)] == expected
+    assert gemv_calls == []
+
+
+def test_bad_gemv_setting_leaves_the_model_unpatched(monkeypatch):
+    model = make_model("llama", dtype=torch.float16)
+    prompts = random_prompts([5], seed=1)
+    expected = reference_generate(model, prompts, max_new_tokens=4, do_sample=False)
+    with pytest.raises(ValueError, match="gemv must be True, False or None"):
+        hfpaged.patch(model, gemv="yes")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU without the interpreter cannot run the kernel
+    with pytest.raises(ValueError, match="gemv=True runs a Triton kernel"):
+        hfpaged.patch(model, num_blocks=32, block_size=4, gemv=True)
+    assert not hasattr(model, "_hfpaged")
+    assert not any("forward" in module.__dict__ for module in model.modules())
+    assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters())
+    assert reference_generate(model, prompts, max_new_tokens=4, do_sample=False) == expected
