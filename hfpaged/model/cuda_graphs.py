@@ -66,6 +66,7 @@ class StepGraphs:
         mixed: bool = False,
         max_num_tokens: int | None = None,
         min_batch: int = 1,
+        warm_smallest: bool = False,
     ):
         self.width = width  # block-table columns of a real request (longer ones run eagerly)
         self.max_seqlen_k = width * block_size  # the attention grid hint baked into the graphs
@@ -84,6 +85,9 @@ class StepGraphs:
         # few us of GPU time but ~75 us of host time when launched eagerly); None where the rows are many
         self.greedy: dict[int, torch.Tensor | None] = {}
         self.capture_retries = 0  # buckets whose capture without a warm-up failed (then warmed up and captured)
+        # the smallest bucket warms up before its capture too (compiled layers meeting batch 1: dynamo specialises
+        # size 1 and compiles again, which must not happen inside a capture)
+        self.warm_smallest = warm_smallest
 
     def shape(self, bucket: int) -> tuple[int, int]:
         """(tokens, requests) of ``bucket``'s graph."""
@@ -143,7 +147,7 @@ class StepGraphs:
         warms up outside the capture, twice (lazy initialisation, torch.compile, cuBLAS's first use of the
         stream); later buckets only meet a new shape and are captured straight away (a graph start spends ~20 ms
         of host time per warm-up call, ~1 s over both ladders), unless that capture fails: then they warm up once
-        and capture again."""
+        and capture again (``warm_smallest``: the smallest warms up once first)."""
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         shared = None  # mixed: the one logits buffer every graph copies into (outside the graph pool)
@@ -158,6 +162,8 @@ class StepGraphs:
                 del logits
                 graph, logits, greedy = self._capture_one(forward, bucket, pool, stream, shared)
             else:
+                if self.warm_smallest and bucket == self.buckets[0]:
+                    self._warm_up(forward, bucket, stream, calls=1)
                 try:
                     graph, logits, greedy = self._capture_one(forward, bucket, pool, stream, shared)
                 except RuntimeError as error:

@@ -205,7 +205,6 @@ class FusedProjections:
         from .custom_ops import register_custom_ops
 
         register_custom_ops()
-        self.gemv = launch_pdl
         for group in self.groups:
             group.gemv = launch_pdl if gemv_supports(group.weight, group.bias) else None
         grouped = {id(m) for group in self.groups for m in group.members}
@@ -216,6 +215,7 @@ class FusedProjections:
             for name, module in parent._modules.items()
             if module is not output and id(module) not in grouped and _single_ok(module)
         ]
+        self.gemv = launch_pdl if self.num_gemv else None  # e.g. float32 weights: nothing takes it
         return self.num_gemv
 
     def warm_up_gemv(self) -> None:

@@ -69,7 +69,7 @@ class ModelRunner:
         self.heap = HeapFreeze(state.config.freeze_gc)  # gc.freeze() after each capture (gc_heap.py)
         # compile=None (the default) compiles on CUDA; an error while compiling then falls back to eager layers
         self.compile = state.config.compile if state.config.compile is not None else self.device.type == "cuda"
-        self._gemv = getattr(state.fused_projections, "gemv", None) is not None  # one-row projections by the GEMV
+        self._gemv = getattr(state.fused_projections, "num_gemv", 0) > 0  # one-row projections by the GEMV
         self._compiled = None
         self._compile_cache = None  # compile: the on-disk artifacts (compile_cache.py), found at first use
         self._warmed = False
@@ -334,6 +334,7 @@ class ModelRunner:
                 # (batch 1 would specialise a second one: seconds of every start for a few us per token), unless
                 # one-row steps take the GEMV (gemv: ~0.1-0.5 ms per token, session 19)
                 min_batch=2 if self.compile and not mixed and not self._gemv else 1,
+                warm_smallest=self.compile and not mixed and self._gemv,
             )
             start = time.perf_counter()
             forward = functools.partial(self._graph_forward, mixed=True) if mixed else self._graph_forward
