@@ -4,9 +4,11 @@ A kernel launched with ``launch_pdl`` may begin as soon as every program of the 
 signalled (or exited), so its launch and its first instructions overlap the previous kernel's tail. The rules
 that keep this exact, for every hfpaged kernel that takes ``USE_PDL``:
 - before ``wait_for_previous_kernel`` a program reads only step inputs that no kernel of the step writes (the
-  packed metadata: ``cu_seqlens_q``, ``seq_lens``, ``slot_mapping``, block tables) and writes nothing;
+  packed metadata: ``cu_seqlens_q``, ``seq_lens``, ``slot_mapping``, block tables; the GEMV's weights) and writes
+  nothing;
 - every program calls it, early-exiting ones too, and it signals the next kernel only after its own wait, so
-  when any kernel starts, every kernel before its predecessor has finished.
+  when any kernel starts, every kernel before its predecessor has finished (Inductor's kernels rely on it: they
+  wait only before reading what the previous node wrote, and may read older buffers before their wait).
 CUDA graphs capture the launch attribute as a programmatic edge; elsewhere (CPU interpreter, older GPUs) the
 kernels are compiled without it.
 """

@@ -1,4 +1,4 @@
-"""Linear projections of one or two rows (decode steps of one sequence) as a Triton GEMV.
+"""Linear projections of one row (decode steps of one sequence) as a Triton GEMV.
 
 At a row or two a projection is a read of its weight: cuBLAS's kernels reach ~1 TB/s on the 4-12 MB
 projections of a small model (a latency floor of ~5-8 us each, notes/engine_perf.md, session 10), and they take no
@@ -20,7 +20,7 @@ from ._checks import check_devices, launches_on_first_tensor_gpu, next_power_of_
 from .attention_config import _sm_count
 from .dependent_launch import launch_options, wait_for_previous_kernel
 
-GEMV_MAX_ROWS = 2  # rows (tokens) at or below which a projection takes the GEMV (a compiled batch-1 step pads to 2)
+GEMV_MAX_ROWS = 1  # rows the GEMV takes (the kernel unrolls ROWS; two measured slower than cuBLAS on larger models)
 REGISTER_ELEMENTS = 32768  # weight elements one program holds: 128 per thread at GEMV_NUM_WARPS warps
 GEMV_NUM_WARPS = 8
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
