@@ -219,3 +219,35 @@ def test_dependent_launch_tokens_equal_stock_generate(dependent_launch):
     assert runner.num_eager_steps == 0 and runner.mixed_graphs is not None and runner.graphs is not None
     assert hfpaged.stats(model)["num_preemptions"] > 0
     assert hfpaged.stats(model)["num_free_blocks"] == 40
+
+
+def test_capture_invalidated_inside_retries_into_a_fresh_pool(monkeypatch):
+    """A capture that fails inside the graph (here a synchronize, which invalidates it, as a compile inside a capture
+    does) leaves its pool recording; the retry captures into a fresh pool: every bucket graphed, tokens exact."""
+    from hfpaged.model.cuda_graphs import StepGraphs
+
+    model = make_model("llama").cuda()
+    prompts = random_prompts([5, 30, 11, 2], seed=16)
+    expected = reference_generate(model, prompts, max_new_tokens=8, do_sample=False)
+    capture_one = StepGraphs._capture_one
+    failed = []
+
+    def invalidated_once(self, forward, bucket, *args):
+        if bucket == self.buckets[0] and not self.mixed and not failed:
+            failed.append(bucket)
+
+            def synchronizing(step):
+                out = forward(step)
+                torch.cuda.synchronize()  # not permitted while the stream captures
+                return out
+
+            return capture_one(self, synchronizing, bucket, *args)
+        return capture_one(self, forward, bucket, *args)
+
+    monkeypatch.setattr(StepGraphs, "_capture_one", invalidated_once)
+    hfpaged.patch(model, num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    assert staggered(model, prompts, 8) == expected
+    runner = model._hfpaged.engine.runner
+    assert failed and runner.graphs is not None and sorted(runner.graphs.graphs) == runner.graphs.buckets
+    assert runner.graphs.capture_retries == 1 and runner.num_eager_steps == 0
+    assert hfpaged.stats(model)["num_free_blocks"] == hfpaged.stats(model)["num_blocks"]

@@ -169,6 +169,11 @@ class StepGraphs:
                 except RuntimeError as error:
                     logger.info("hfpaged: capture of bucket %d failed without a warm-up (%s); retrying", bucket, error)
                     self.capture_retries += 1
+                    # a capture invalidated inside (e.g. a compile that synchronizes) ends without releasing its
+                    # pool to the allocator ("already recording to mempool_id" at the next capture into it): the
+                    # retry and the buckets after it capture into a fresh pool, on a fresh stream
+                    pool = torch.cuda.graph_pool_handle()
+                    stream = torch.cuda.Stream(self.device)
                     self._warm_up(forward, bucket, stream, calls=1)
                     graph, logits, greedy = self._capture_one(forward, bucket, pool, stream, shared)
             self.outputs[bucket] = logits
