@@ -133,23 +133,3 @@ def linear_few_rows(
         **launch_options(launch_pdl),
     )
     return out
-    block_n = gemv_block_n(num_features, in_features, x.device)
-    _gemv_kernel[(triton.cdiv(num_features, block_n),)](
-        rows,
-        weight,
-        weight if bias is None else bias,
-        out,
-        rows.shape[0],
-        num_features,
-        in_features,
-        rows.stride(0),
-        weight.stride(0),
-        num_features,
-        K_PAD=next_power_of_2(in_features),
-        BLOCK_N=block_n,
-        HAS_BIAS=bias is not None,
-        USE_PDL=launch_pdl,
-        num_warps=GEMV_NUM_WARPS,
-        **launch_options(launch_pdl),
-    )
-    return out
