@@ -121,3 +121,41 @@ def test_bad_gemv_setting_leaves_the_model_unpatched(monkeypatch):
     assert not any("forward" in module.__dict__ for module in model.modules())
     assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters())
     assert reference_generate(model, prompts, max_new_tokens=4, do_sample=False) == expected
+
+
+def test_one_row_steps_under_preemption_swap_threads_and_changed_weights(gemv_calls):
+    # A pool too small for the batch: the scheduler preempts (recompute, then swap) and the steps that hold a single
+    # sequence take the GEMV; callers in threads share steps; weights changed in place reach the GEMV at the next
+    # call. Tokens equal stock generate in every case.
+    import threading
+
+    model = make_model("llama", dtype=torch.float16, seed=3)
+    prompts = random_prompts([3, 17, 9, 33, 5, 24, 12, 40], seed=12)
+    expected = reference_generate(model, prompts, max_new_tokens=12, do_sample=False)
+    options = dict(num_blocks=20, block_size=4, max_num_seqs=6, max_num_batched_tokens=32, gemv=True)
+    for mode in ("recompute", "swap"):
+        hfpaged.patch(model, **options, preemption_mode=mode)
+        got = [r.token_ids for r in model.generate_many(prompts, max_new_tokens=12, do_sample=False)]
+        assert got == expected, mode
+        assert hfpaged.stats(model)["num_preemptions"] > 0 and gemv_calls, mode
+        gemv_calls.clear()
+    results = [None] * 3
+
+    def caller(i):
+        results[i] = [r.token_ids for r in model.generate_many(prompts[i::3], max_new_tokens=12, do_sample=False)]
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert results == [expected[i::3] for i in range(3)] and gemv_calls
+    with torch.no_grad():  # changed in place while patched: the next call must use the new values
+        model.model.layers[0].mlp.down_proj.weight.mul_(-1.5)
+        model.model.layers[1].self_attn.o_proj.weight.mul_(2.0)
+    gemv_calls.clear()
+    got = model.generate_many(prompts[:1], max_new_tokens=12, do_sample=False)[0].token_ids
+    assert gemv_calls
+    hfpaged.unpatch(model)
+    changed = reference_generate(model, prompts[:1], max_new_tokens=12, do_sample=False)[0]
+    assert changed != expected[0] and got == changed
