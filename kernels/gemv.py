@@ -1,6 +1,6 @@
 """Linear projections of one row (decode steps of one sequence) as a Triton GEMV.
 
-At a row or two a projection is a read of its weight: cuBLAS's kernels reach ~1 TB/s on the 4-12 MB
+At one row a projection is a read of its weight: cuBLAS's kernels reach ~1 TB/s on the 4-12 MB
 projections of a small model (a latency floor of ~5-8 us each, notes/engine_perf.md, session 10), and they take no
 part in programmatic dependent launch. This kernel gives each program a slice of BLOCK_N output features and loads
 the whole ``[BLOCK_N, K]`` slice of the weight into registers *before* its dependent-launch wait: weights are no
@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ._checks import check_devices, launches_on_first_tensor_gpu, next_power_of_2
 from .attention_config import _sm_count
-from .dependent_launch import launch_options, wait_for_previous_kernel
+from .dependent_launch import check_launch_pdl, launch_options, wait_for_previous_kernel
 
 GEMV_MAX_ROWS = 1  # rows the GEMV takes (the kernel unrolls ROWS; two measured slower than cuBLAS on larger models)
 REGISTER_ELEMENTS = 32768  # weight elements one program holds: 128 per thread at GEMV_NUM_WARPS warps
@@ -92,6 +92,7 @@ def linear_few_rows(
     ``gemv_supports(weight, bias)`` must hold and ``x`` must have the weight's dtype. ``launch_pdl``: programmatic
     dependent launch (``dependent_launch.py``)."""
     check_devices(x=x, weight=weight, **({} if bias is None else {"bias": bias}))
+    check_launch_pdl(launch_pdl, x.device)
     if not gemv_supports(weight, bias):
         raise ValueError(
             f"linear_few_rows takes a 2-D {'/'.join(str(d) for d in GEMV_DTYPES)} weight with unit stride along its "

@@ -43,6 +43,8 @@ def test_gemv_refuses_what_it_does_not_take():
         linear_few_rows(torch.randn(1, 16).half(), weight.t())  # strided along its input
     with pytest.raises(ValueError, match="bias"):
         linear_few_rows(torch.randn(1, 32).half(), weight, torch.randn(8).half())
+    with pytest.raises(ValueError, match="launch_pdl=True needs a CUDA GPU"):
+        linear_few_rows(torch.randn(1, 32).half(), weight, launch_pdl=True)
 
 
 @pytest.fixture
