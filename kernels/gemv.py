@@ -21,8 +21,11 @@ from .attention_config import _sm_count
 from .dependent_launch import check_launch_pdl, launch_options, wait_for_previous_kernel
 
 GEMV_MAX_ROWS = 1  # rows the GEMV takes (the kernel unrolls ROWS; two measured slower than cuBLAS on larger models)
-REGISTER_ELEMENTS = 32768  # weight elements one program holds: 128 per thread at GEMV_NUM_WARPS warps
-GEMV_NUM_WARPS = 8
+# Weight elements one program holds (64 per thread at GEMV_NUM_WARPS warps): several programs per SM, one loading while
+# another reduces. H100 sweep (session 19, probe C): 8192 / 4 warps beat 32768 / 8 warps by 1.5-5 us per layer.
+REGISTER_ELEMENTS = 8192
+GEMV_NUM_WARPS = 4
+MAX_K_PAD = 16384  # widest (padded) input: one weight row per program there (Llama-3.1-8B's down_proj: 14,336)
 GEMV_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -66,18 +69,18 @@ def _gemv_kernel(
 
 
 def gemv_block_n(num_features: int, in_features: int, device: torch.device) -> int:
-    """Output features per program: as many as REGISTER_ELEMENTS allows for the padded input width, and no more
-    than gives about one program per SM (the weight then streams in one wave)."""
+    """Output features per program: as many as REGISTER_ELEMENTS allows for the padded input width (at least one),
+    and no more than gives about one program per SM."""
     per_sm = next_power_of_2(max(1, num_features // _sm_count(device)))
     return max(1, min(REGISTER_ELEMENTS // next_power_of_2(in_features), per_sm))
 
 
 def gemv_supports(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether ``linear_few_rows`` takes this weight (and bias): 2-D, 16-bit, unit stride along the input, an input
-    width whose padded slice fits REGISTER_ELEMENTS, a bias (if any) of the weight's dtype, device and features."""
+    width of at most MAX_K_PAD (padded), a bias (if any) of the weight's dtype, device and features."""
     if weight.dim() != 2 or weight.dtype not in GEMV_DTYPES or weight.stride(1) != 1 or weight.shape[0] == 0:
         return False
-    if next_power_of_2(weight.shape[1]) > REGISTER_ELEMENTS:
+    if next_power_of_2(weight.shape[1]) > MAX_K_PAD:
         return False
     return bias is None or (
         bias.shape == (weight.shape[0],) and bias.dtype == weight.dtype and bias.device == weight.device
@@ -96,7 +99,7 @@ def linear_few_rows(
     if not gemv_supports(weight, bias):
         raise ValueError(
             f"linear_few_rows takes a 2-D {'/'.join(str(d) for d in GEMV_DTYPES)} weight with unit stride along its "
-            f"input of at most {REGISTER_ELEMENTS} (padded) and a matching bias; got weight {list(weight.shape)} "
+            f"input of at most {MAX_K_PAD} (padded) and a matching bias; got weight {list(weight.shape)} "
             f"{weight.dtype} strides {weight.stride()}"
             + ("" if bias is None else f", bias {list(bias.shape)} {bias.dtype}")
         )

@@ -8,7 +8,7 @@ from models import make_model, random_prompts, reference_generate
 
 import hfpaged
 from hfpaged.kernels import gemv as gemv_kernels
-from hfpaged.kernels.gemv import GEMV_MAX_ROWS, linear_few_rows
+from hfpaged.kernels.gemv import GEMV_MAX_ROWS, MAX_K_PAD, gemv_supports, linear_few_rows
 
 NEW = 8
 
@@ -43,6 +43,10 @@ def test_gemv_refuses_what_it_does_not_take():
         linear_few_rows(torch.randn(1, 16).half(), weight.t())  # strided along its input
     with pytest.raises(ValueError, match="bias"):
         linear_few_rows(torch.randn(1, 32).half(), weight, torch.randn(8).half())
+    wide = torch.zeros(2, MAX_K_PAD + 1).half()  # an input too wide for one row per program: cuBLAS keeps it
+    assert not gemv_supports(wide) and gemv_supports(wide[:, :MAX_K_PAD])
+    with pytest.raises(ValueError, match=f"at most {MAX_K_PAD}"):
+        linear_few_rows(torch.zeros(1, MAX_K_PAD + 1).half(), wide)
     with pytest.raises(ValueError, match="launch_pdl=True needs a CUDA GPU"):
         linear_few_rows(torch.randn(1, 32).half(), weight, launch_pdl=True)
 

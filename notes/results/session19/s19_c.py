@@ -78,14 +78,23 @@ def norm(x, y, n, pdl, early):
                 **pdl_kw(pdl))  # fmt: skip
 
 
-def _product(x, w, y, rows, pdl):
-    from hfpaged.kernels.gemv import GEMV_NUM_WARPS, gemv_block_n
+def _product(x, w, y, rows, pdl, regs=None, warps=None, wave_regs=None):
+    """The kernel of kernels/gemv.py; ``regs``/``warps``: another register budget / warp count (sweep), and
+    ``wave_regs``: that budget only for weights that do not fit one wave at the default budget."""
+    from hfpaged.kernels import gemv as gk
 
     n, k = w.shape
-    block_n = gemv_block_n(n, k, x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](x, w, w, y, n, k, k, n, ROWS=rows, K=k, K_PAD=triton.next_power_of_2(k),
+    k_pad = triton.next_power_of_2(k)
+    budget, nwarps = regs or gk.REGISTER_ELEMENTS, warps or gk.GEMV_NUM_WARPS
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if not DRY else 4
+    if wave_regs is not None:
+        one_wave = n * k_pad <= gk.REGISTER_ELEMENTS * sms
+        budget = gk.REGISTER_ELEMENTS if one_wave else wave_regs
+    per_sm = triton.next_power_of_2(max(1, n // sms))
+    block_n = max(1, min(budget // k_pad, per_sm))
+    _gemv_kernel[(triton.cdiv(n, block_n),)](x, w, w, y, n, k, k, n, ROWS=rows, K=k, K_PAD=k_pad,
                                              BLOCK_N=block_n, HAS_BIAS=False, USE_PDL=pdl and not DRY,
-                                             num_warps=GEMV_NUM_WARPS, **pdl_kw(pdl))  # fmt: skip
+                                             num_warps=nwarps, **pdl_kw(pdl))  # fmt: skip
 
 
 def build(hidden, q, kv, inter, layers):
@@ -113,6 +122,12 @@ def chain(ws, b, d, mode, rows=1):
             return
         if cublas or (mode == "product_pdl_small" and w.numel() * w.element_size() > SMALL_BYTES):
             torch.mm(x.view(4, -1)[:rows], w.t(), out=y.view(4, -1)[:rows])
+        elif mode.startswith("sweep"):  # sweep:REGS:WARPS or sweep:wave:REGS:WARPS, with dependent launch
+            parts = mode.split(":")
+            if parts[1] == "wave":
+                _product(x, w, y, rows, True, warps=int(parts[3]), wave_regs=int(parts[2]))
+            else:
+                _product(x, w, y, rows, True, regs=int(parts[1]), warps=int(parts[2]))
         elif mode.startswith("product"):  # kernels/gemv.py: signals after its wait
             _product(x, w, y, rows, mode == "product_pdl")
         else:
@@ -152,13 +167,13 @@ def main():
             x.copy_(torch.randn_like(x, dtype=torch.float32).to(DT))
             xr = x.view(4, -1)[:, : ws[0][key].shape[1]].contiguous()
             ref = xr.float() @ ws[0][key].float().t()
-            y = torch.cat([linear_few_rows(xr[i : i + 2], ws[0][key]) for i in range(0, 4, 2)])
+            y = torch.cat([linear_few_rows(xr[i : i + 1], ws[0][key]) for i in range(4)])
             rows.append(dict(model=name, check=key, max_abs=float((y.float() - ref).abs().max()),
                              ref_max=float(ref.abs().max())))  # fmt: skip
             print(f"{name} {key}: max |triton - fp32 ref| {rows[-1]['max_abs']:.3g} (ref max {rows[-1]['ref_max']:.3g})")
         weight_bytes = sum(t.numel() * t.element_size() for lw in ws for t in lw.values())
         for rep in range(2 if not DRY else 1):
-            for nrows in (1, 2):
+            for nrows in (1,):
                 for mode in modes if nrows == 1 else ["cublas", "product_pdl"]:
                     ms = bk.graph_time_ms([chain(ws, b, d, mode, nrows)], target_ms=20, replays=10)
                     row = dict(model=name, mode=mode, rows=nrows, rep=rep, us_per_token=ms * 1e3,
