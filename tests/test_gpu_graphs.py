@@ -251,3 +251,13 @@ def test_capture_invalidated_inside_retries_into_a_fresh_pool(monkeypatch):
     assert failed and runner.graphs is not None and sorted(runner.graphs.graphs) == runner.graphs.buckets
     assert runner.graphs.capture_retries == 1 and runner.num_eager_steps == 0
     assert hfpaged.stats(model)["num_free_blocks"] == hfpaged.stats(model)["num_blocks"]
+    # the allocator does not believe a capture still runs: cached memory is released again (with a capture left
+    # "underway" empty_cache frees nothing and every later engine's pool piles up until the GPU is full)
+    hfpaged.unpatch(model)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    scratch = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    del scratch
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() <= before

@@ -17,6 +17,7 @@ one kind are captured largest first into one shared memory pool.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -51,6 +52,20 @@ def token_buckets(max_num_batched_tokens: int) -> list[int]:
         t *= 2
     buckets = [b for b in buckets if b < max_num_batched_tokens] + [max_num_batched_tokens]
     return sorted(set(buckets))
+
+
+def _end_failed_capture(device: torch.device, pool) -> None:
+    """torch ends a capture's routing of allocations to its pool only after cudaStreamEndCapture succeeds: a capture
+    invalidated inside leaves the allocator believing it still runs, and then it never frees cached memory
+    (``empty_cache`` does nothing, every later pool piles up) and refuses that pool. End the routing by hand; where
+    the capture did end properly this raises "not currently recording", which is fine."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None) or getattr(
+        torch._C, "_cuda_endAllocateCurrentStreamToPool", None
+    )
+    if end is None:
+        return
+    with contextlib.suppress(RuntimeError):
+        end(device.index if device.index is not None else torch.cuda.current_device(), pool)
 
 
 class StepGraphs:
@@ -170,8 +185,9 @@ class StepGraphs:
                     logger.info("hfpaged: capture of bucket %d failed without a warm-up (%s); retrying", bucket, error)
                     self.capture_retries += 1
                     # a capture invalidated inside (e.g. a compile that synchronizes) ends without releasing its
-                    # pool to the allocator ("already recording to mempool_id" at the next capture into it): the
-                    # retry and the buckets after it capture into a fresh pool, on a fresh stream
+                    # pool to the allocator ("already recording to mempool_id" at the next capture into it): end that
+                    # by hand, and the retry and the buckets after it capture into a fresh pool, on a fresh stream
+                    _end_failed_capture(self.device, pool)
                     pool = torch.cuda.graph_pool_handle()
                     stream = torch.cuda.Stream(self.device)
                     self._warm_up(forward, bucket, stream, calls=1)
