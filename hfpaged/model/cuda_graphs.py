@@ -184,10 +184,8 @@ class StepGraphs:
                 except RuntimeError as error:
                     logger.info("hfpaged: capture of bucket %d failed without a warm-up (%s); retrying", bucket, error)
                     self.capture_retries += 1
-                    # a capture invalidated inside (e.g. a compile that synchronizes) ends without releasing its
-                    # pool to the allocator ("already recording to mempool_id" at the next capture into it): end that
-                    # by hand, and the retry and the buckets after it capture into a fresh pool, on a fresh stream
-                    _end_failed_capture(self.device, pool)
+                    # the retry and the buckets after it capture into a fresh pool, on a fresh stream (the failed
+                    # capture may have left its own half-used)
                     pool = torch.cuda.graph_pool_handle()
                     stream = torch.cuda.Stream(self.device)
                     self._warm_up(forward, bucket, stream, calls=1)
@@ -213,13 +211,17 @@ class StepGraphs:
         output rows' argmax (None for buckets of many rows)."""
         graph = torch.cuda.CUDAGraph()
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        # thread_local: other threads (stock generate, another model) may keep using the GPU meanwhile
-        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-            logits = forward(self._views(bucket))
-            if self.mixed:
-                shared[: logits.shape[0]].copy_(logits)
-                logits = shared[: logits.shape[0]]
-            greedy = row_argmax(logits) if logits.shape[0] < FEW_ROWS else None
+        try:
+            # thread_local: other threads (stock generate, another model) may keep using the GPU meanwhile
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                logits = forward(self._views(bucket))
+                if self.mixed:
+                    shared[: logits.shape[0]].copy_(logits)
+                    logits = shared[: logits.shape[0]]
+                greedy = row_argmax(logits) if logits.shape[0] < FEW_ROWS else None
+        except BaseException:
+            _end_failed_capture(self.device, pool)  # else the allocator would stop freeing cached memory for good
+            raise
         return graph, logits, greedy
 
     def load(self, packed_host: torch.Tensor, bucket: int, width: int) -> None:
