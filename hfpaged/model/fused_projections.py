@@ -257,7 +257,7 @@ class FusedProjections:
             module.__dict__["_hfpaged_single"] = (thread, self.gemv)
             module.__dict__["forward"] = types.MethodType(_single_forward, module)
         for group in self.groups:
-            group.thread = threading.get_ident()
+            group.thread = thread
             for index, (member, forward) in enumerate(zip(group.members, group.forwards)):
                 if "forward" in member.__dict__:
                     saved[member] = member.__dict__["forward"]
