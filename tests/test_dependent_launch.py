@@ -19,9 +19,10 @@ def test_setting_values_are_checked():
 def test_not_supported_off_cuda():
     assert not dependent_launch_supported(torch.device("cpu"))
     assert launch_options(False) == {} and launch_options(True) == {"launch_pdl": True}
-    assert inductor_options(False) == {}
+    combo = {"combo_kernels": True} if hasattr(torch._inductor.config, "combo_kernels") else {}
+    assert inductor_options(False) == combo
     has_pdl = hasattr(torch._inductor.config.triton, "enable_pdl")
-    assert inductor_options(True) == ({"triton.enable_pdl": True} if has_pdl else {})
+    assert inductor_options(True) == ({**combo, "triton.enable_pdl": True} if has_pdl else combo)
 
 
 def test_kernels_refuse_launch_pdl_where_unsupported():

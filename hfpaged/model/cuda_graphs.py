@@ -27,7 +27,14 @@ import torch
 from ..core.block_pool import cdiv
 from ..sampling.sampler import FEW_ROWS, row_argmax
 from .attention import AttentionMetadata
-from .input_batch import DeviceStep, packed_size, padded_width, region_slices, tables_offset
+from .input_batch import (
+    DeviceStep,
+    packed_size,
+    padded_width,
+    region_slices,
+    tables_offset,
+    widen_leading_regions,
+)
 
 logger = logging.getLogger("hfpaged")
 
@@ -149,11 +156,9 @@ class StepGraphs:
             max_seqlen_q=num_tokens if self.mixed else 1,  # mixed: the prefill tiles, right for any query runs
             max_seqlen_k=self.max_seqlen_k,
         )
+        wide = widen_leading_regions(flat, at)
         return DeviceStep(
-            flat[at["input_ids"]].long()[None],
-            flat[at["positions"]].long()[None],
-            metadata,
-            flat[at["logits_indices"]].long(),
+            wide[at["input_ids"]][None], wide[at["positions"]][None], metadata, wide[at["logits_indices"]]
         )
 
     @torch.inference_mode()

@@ -280,11 +280,15 @@ def _own_code(function: Callable) -> Callable:
 
 
 def inductor_options(launch_pdl: bool) -> dict:
-    """Inductor settings of the compiled layers: with ``launch_pdl`` its kernels use programmatic dependent launch
-    too (each waits for the kernel before it only where it reads what that kernel wrote), where torch has it."""
+    """Inductor settings of the compiled layers, where torch has them: combo kernels (kernels of a layer that do not
+    depend on each other launch as one, e.g. the RoPE of q and of k: H100, session 20, Qwen3-0.6B batch-1 decode
+    1.022 -> 0.987 ms/token, batch 256 +3-6%, Llama-3.2-1B -1.4% / flat, the same greedy tokens); with ``launch_pdl``
+    its kernels use programmatic dependent launch too (each waits for the kernel before it only where it reads what
+    that kernel wrote)."""
+    options = {"combo_kernels": True} if hasattr(torch._inductor.config, "combo_kernels") else {}
     if launch_pdl and hasattr(torch._inductor.config.triton, "enable_pdl"):
-        return {"triton.enable_pdl": True}
-    return {}
+        options["triton.enable_pdl"] = True
+    return options
 
 
 class CompiledStepForward:

@@ -31,6 +31,7 @@ from .attention import AttentionMetadata
 ALIGN = 16  # elements: every region starts 64-byte aligned, so Triton's pointer-alignment
 # specialization sees the same alignment every step (no recompiles as the layout shifts)
 
+# input_ids .. logits_indices lead: the forward reads them as int64, converted in one kernel (widen_leading_regions)
 REGIONS = ("input_ids", "positions", "slot_mapping", "logits_indices", "seq_lens", "cu_seqlens_q")
 
 
@@ -293,9 +294,16 @@ def device_views(buffer: torch.Tensor, host: HostStep) -> DeviceStep:
         max_seqlen_q=host.max_seqlen_q,
         max_seqlen_k=host.max_seqlen_k,
     )
+    wide = widen_leading_regions(buffer, at)
     return DeviceStep(
-        input_ids=buffer[at["input_ids"]].long()[None],
-        position_ids=buffer[at["positions"]].long()[None],
+        input_ids=wide[at["input_ids"]][None],
+        position_ids=wide[at["positions"]][None],
         metadata=metadata,
-        logits_indices=buffer[at["logits_indices"]][: host.num_sampled].long(),
+        logits_indices=wide[at["logits_indices"]][: host.num_sampled],
     )
+
+
+def widen_leading_regions(buffer: torch.Tensor, at: dict[str, slice]) -> torch.Tensor:
+    """The int64 copy of the regions from ``input_ids`` to ``logits_indices`` (they lead the packed buffer): one
+    conversion kernel for the three the forward needs as int64, instead of one each."""
+    return buffer[: at["logits_indices"].stop].long()
