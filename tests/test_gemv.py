@@ -1,6 +1,6 @@
 """One-row projections by the Triton GEMV (kernels/gemv.py, EngineConfig.gemv) on the CPU, in Triton's interpreter
 (conftest sets TRITON_INTERPRET=1): the kernel against a float32 reference, its argument checks, and the engine's
-routing (one-row steps only, every projection but the LM head, nothing left behind by unpatch)."""
+routing (one-row steps only, every projection and the LM head, nothing left behind by unpatch)."""
 
 import pytest
 import torch
@@ -75,13 +75,15 @@ def test_one_row_steps_take_the_gemv_and_stay_greedy_exact(arch, fuse, gemv_call
     hfpaged.patch(model, num_blocks=48, block_size=4, gemv=True, fuse_projections=fuse)
     fused = model._hfpaged.fused_projections
     layers = model.config.num_hidden_layers
-    # fused: q/k/v and gate/up as two groups, o and down alone; unfused (the CPU default): seven projections
-    assert fused.num_gemv == (4 if fuse else 7) * layers
-    assert not any(s[2] is model.get_output_embeddings() for s in fused.singles)  # the LM head stays stock
+    # fused: q/k/v and gate/up as two groups, o and down alone; unfused (the CPU default): seven projections; and
+    # the LM head
+    assert fused.num_gemv == (4 if fuse else 7) * layers + 1
+    assert sum(s[2] is model.get_output_embeddings() for s in fused.singles) == 1
     results = model.generate_many(prompts[:1], max_new_tokens=NEW, do_sample=False)
     assert [r.token_ids for r in results] == expected[:1]
-    # the prompt step has rows: stock; each of the NEW - 1 decode steps: one call per projection
-    assert len(gemv_calls) == (NEW - 1) * fused.num_gemv
+    # the prompt step has rows: stock, but for its LM head (one sampled row); each of the NEW - 1 decode steps: one
+    # call per projection
+    assert len(gemv_calls) == (NEW - 1) * fused.num_gemv + 1
     assert all(x[:-1] in ((1,), (1, 1)) for x, _ in gemv_calls)
     gemv_calls.clear()
     results = model.generate_many(prompts, max_new_tokens=NEW, do_sample=False)  # two rows per step: no GEMV

@@ -238,9 +238,11 @@ def test_swap_space_defaults_to_the_pool_size_and_is_allocated_at_the_first_swap
     assert all_free(m)
 
 
-def test_deleting_the_model_frees_the_pool_without_a_garbage_collection():
-    m = make_model("llama", seed=13)
-    hfpaged.patch(m, num_blocks=32, block_size=4)
+@pytest.mark.parametrize("gemv", [None, True], ids=["default", "gemv"])
+def test_deleting_the_model_frees_the_pool_without_a_garbage_collection(gemv):
+    # gemv: the GEMV's projections include the output embedding, whose parent is the model itself
+    m = make_model("llama", seed=13, dtype=torch.float16 if gemv else torch.float32)
+    hfpaged.patch(m, num_blocks=32, block_size=4, gemv=gemv)
     m.generate_many(random_prompts([5, 9], seed=1), max_new_tokens=4, do_sample=True, seed=1)
     list(m.stream_many(random_prompts([5], seed=2), max_new_tokens=3))
     caches = weakref.ref(m._hfpaged.kv_caches[0][0])

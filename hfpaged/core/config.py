@@ -41,7 +41,7 @@ class EngineConfig:
     dependent_launch: bool | None = None  # programmatic dependent launch inside steps (each Triton kernel, ours and
     # the compiled layers', starts while the kernel before it ends); None: on where supported (CUDA compute
     # capability 9.0+) except under tensor parallelism; True: required (an error where unsupported); False: off
-    gemv: bool | None = None  # steps of one token (batch-1 decode) run their linear projections (not the LM head)
+    gemv: bool | None = None  # steps of one token (batch-1 decode) run their linear projections (the LM head too)
     # as a Triton GEMV that loads its weights before the dependent-launch wait (kernels/gemv.py; 16-bit weights;
     # not bitwise equal to cuBLAS); None: on where dependent launch is on; True: on (CUDA, or Triton's CPU
     # interpreter); False: off (cuBLAS, exact with fuse_projections=False)

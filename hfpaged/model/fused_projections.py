@@ -19,7 +19,7 @@ one that is not (a new ``Parameter``, ``.data`` swapped, a module replaced, a PE
 own storage again.
 
 One-row steps (``EngineConfig.gemv``, ``enable_gemv``): the groups' GEMMs and every other plain ``Linear`` of the
-model except its output embedding ("single" projections, which get a step forward the same way, weights left where
+model, its output embedding too ("single" projections, which get a step forward the same way, weights left where
 they are) run ``kernels/gemv.py``'s GEMV when their input is one row, through the ``hfpaged::gemv`` custom op.
 """
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import types
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -195,11 +196,13 @@ class FusedProjections:
     def __init__(self, groups: list[FusedGroup]):
         self.groups = groups
         self.broken: list[FusedGroup] = []  # no longer intact: never fused again
-        self.singles: list[tuple[torch.nn.Module, str, torch.nn.Linear]] = []  # (parent, name, module), GEMV only
+        # (weakref to the parent, name, module), GEMV only: the output embedding's parent is the model, which holds
+        # these (a strong reference would make a cycle, and a model deleted unpatched would not be freed)
+        self.singles: list[tuple[weakref.ref, str, torch.nn.Linear]] = []
         self.gemv: bool | None = None  # one-row projections by the GEMV (its launch_pdl); None: off
 
     def enable_gemv(self, model: torch.nn.Module, launch_pdl: bool) -> int:
-        """One-row inputs of the groups and of every other plain ``Linear`` but the output embedding by the GEMV
+        """One-row inputs of the groups and of every other plain ``Linear`` (the output embedding too) by the GEMV
         (``kernels/gemv.py``) in paged steps; returns how many projections take it."""
         from ..kernels.gemv import gemv_supports
         from .custom_ops import register_custom_ops
@@ -208,12 +211,11 @@ class FusedProjections:
         for group in self.groups:
             group.gemv = launch_pdl if gemv_supports(group.weight, group.bias) else None
         grouped = {id(m) for group in self.groups for m in group.members}
-        output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self.singles = [
-            (parent, name, module)
+            (weakref.ref(parent), name, module)
             for parent in model.modules()
             for name, module in parent._modules.items()
-            if module is not output and id(module) not in grouped and _single_ok(module)
+            if id(module) not in grouped and _single_ok(module)
         ]
         self.gemv = launch_pdl if self.num_gemv else None  # e.g. float32 weights: nothing takes it
         return self.num_gemv
@@ -248,7 +250,7 @@ class FusedProjections:
             # members still viewing a buffer get their own storage at unfuse; the others' buffers are freed now
             self.broken += [group for group in broken if group.views()]
         saved = {}  # a sharded member's forward before the step (tp_local's step forward): put back after
-        singles = [s for s in self.singles if s[0]._modules.get(s[1]) is s[2] and _single_ok(s[2])]
+        singles = [s for s in self.singles if _parent_holds(*s) and _single_ok(s[2])]
         if len(singles) != len(self.singles):
             logger.info("hfpaged: %d single projections changed; they run stock", len(self.singles) - len(singles))
             self.singles = singles
@@ -283,6 +285,12 @@ class FusedProjections:
         for group in self.groups + self.broken:
             group.unfuse()
         self.groups, self.broken, self.singles, self.gemv = [], [], [], None
+
+
+def _parent_holds(parent: weakref.ref, name: str, module: torch.nn.Module) -> bool:
+    """Whether the (still living) parent's child ``name`` is still ``module``."""
+    owner = parent()
+    return owner is not None and owner._modules.get(name) is module
 
 
 def _single_ok(module: torch.nn.Module) -> bool:
