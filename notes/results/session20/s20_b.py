@@ -20,11 +20,12 @@ from hfpaged.kernels import attention_config  # noqa: E402
 DRY = "--dry-run" in sys.argv
 
 
-def main():
+def main(setting="SMALL_BATCH_MIN_SPLIT_TILES", label="min_tiles"):
+    """``setting``: the attention_config integer each TILES value sets (s20_e.py: MAX_SPLITS)."""
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     names, reps, tiles = args[0].split(","), int(args[1]), [int(t) for t in args[2].split(",")]
     print(f"hfpaged from {hfpaged.__file__}", flush=True)
-    if not hasattr(attention_config, "SMALL_BATCH_MIN_SPLIT_TILES"):
+    if not hasattr(attention_config, setting):
         tiles = [None]
     if DRY:
         torch.cuda.synchronize = lambda *a, **k: None
@@ -41,13 +42,13 @@ def main():
         for rep in range(reps):
             for t in tiles:
                 if t is not None:
-                    attention_config.SMALL_BATCH_MIN_SPLIT_TILES = t
+                    setattr(attention_config, setting, t)
                 start = time.perf_counter()
                 hfpaged.patch(model)
                 short = benchmark.batch1_latency(model, new_tokens=256 if not DRY else 4)
                 long = benchmark.batch1_latency(model, prompt_len=2000 if not DRY else 40, new_tokens=128 if not DRY else 4)
                 hfpaged.unpatch(model)
-                print(f"[{name}] rep {rep} min_tiles={t}: batch-1 {short:.3f} ms/token at 128-384 keys, "
+                print(f"[{name}] rep {rep} {label}={t}: batch-1 {short:.3f} ms/token at 128-384 keys, "
                       f"{long:.3f} at 2000-2128 keys ({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
         del model
         if not DRY:

@@ -2,57 +2,15 @@
 default, gives 33 splits per KV head at batch 1 on an H100; 17; 9).
 
 python notes/results/session20/s20_e.py MODEL[,MODEL...] REPS CAP[,CAP...] [--dry-run]
-One process; per model and repeat, each cap in turn (a fresh patch each): benchmark.batch1_latency at a 128-token
-prompt (256 new, the benchmark's) and at a 2,000-token prompt (128 new).
+Probe B (s20_b.py) with the cap as its setting: per model and repeat, each cap in turn (a fresh patch each),
+benchmark.batch1_latency at a 128-token prompt (256 new) and at a 2,000-token prompt (128 new).
 """
 
+import os
 import sys
-import time
 
-import torch
-
-sys.path.insert(0, "examples")
-import benchmark  # noqa: E402
-
-import hfpaged  # noqa: E402
-from hfpaged.kernels import attention_config  # noqa: E402
-
-DRY = "--dry-run" in sys.argv
-
-
-def main():
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    names, reps, tiles = args[0].split(","), int(args[1]), [int(t) for t in args[2].split(",")]
-    print(f"hfpaged from {hfpaged.__file__}", flush=True)
-    if not hasattr(attention_config, "MAX_SPLITS"):
-        tiles = [None]
-    if DRY:
-        torch.cuda.synchronize = lambda *a, **k: None
-    for name in names:
-        if DRY:
-            from transformers import AutoModelForCausalLM, LlamaConfig
-
-            torch.manual_seed(0)
-            cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-            model = AutoModelForCausalLM.from_config(cfg).half().eval()
-        else:
-            model = benchmark.build_model(name, torch.bfloat16)
-        for rep in range(reps):
-            for t in tiles:
-                if t is not None:
-                    attention_config.MAX_SPLITS = t
-                start = time.perf_counter()
-                hfpaged.patch(model)
-                short = benchmark.batch1_latency(model, new_tokens=256 if not DRY else 4)
-                long = benchmark.batch1_latency(model, prompt_len=2000 if not DRY else 40, new_tokens=128 if not DRY else 4)
-                hfpaged.unpatch(model)
-                print(f"[{name}] rep {rep} max_splits={t}: batch-1 {short:.3f} ms/token at 128-384 keys, "
-                      f"{long:.3f} at 2000-2128 keys ({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
-        del model
-        if not DRY:
-            torch.cuda.empty_cache()
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import s20_b  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    s20_b.main(setting="MAX_SPLITS", label="max_splits")
