@@ -161,6 +161,8 @@ def test_one_row_steps_under_preemption_swap_threads_and_changed_weights(gemv_ca
     with torch.no_grad():  # changed in place while patched: the next call must use the new values
         model.model.layers[0].mlp.down_proj.weight.mul_(-1.5)
         model.model.layers[1].self_attn.o_proj.weight.mul_(2.0)
+        lm_head = model.get_output_embeddings().weight  # the LM head takes the GEMV too
+        lm_head.add_(torch.randn(lm_head.shape, generator=torch.Generator().manual_seed(0)).to(lm_head.dtype) * 0.05)
     gemv_calls.clear()
     got = model.generate_many(prompts[:1], max_new_tokens=12, do_sample=False)[0].token_ids
     assert gemv_calls
