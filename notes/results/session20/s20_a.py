@@ -13,14 +13,14 @@ import json
 import os
 import re
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, "examples")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchmark  # noqa: E402
 
-import hfpaged  # noqa: E402
+from _probe import probe_model  # noqa: E402
 
 DRY = "--dry-run" in sys.argv
 
@@ -40,18 +40,8 @@ def main():
     import hfpaged.kernels
 
     print(f"hfpaged from {hfpaged.__file__}, kernels from {hfpaged.kernels.__file__}", flush=True)
-    if DRY:
-        torch.cuda.synchronize = lambda *a, **k: None
     for name in names:
-        if DRY:
-            from transformers import AutoModelForCausalLM, LlamaConfig
-
-            torch.manual_seed(0)
-            cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-            model = AutoModelForCausalLM.from_config(cfg).half().eval()
-        else:
-            model = benchmark.build_model(name, torch.bfloat16)
+        model = probe_model(name, DRY)
         hfpaged.patch(model)
         ms = benchmark.batch1_latency(model, new_tokens=256 if not DRY else 4)
         print(f"[{name}] engine batch-1: {ms:.3f} ms/token", flush=True)

@@ -6,15 +6,18 @@ One process; per model and repeat, each TILES value in turn (a fresh patch each)
 merge kernel's code) TILES is ignored and one "base" value runs.
 """
 
+import os
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, "examples")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchmark  # noqa: E402
 
 import hfpaged  # noqa: E402
+from _probe import probe_model  # noqa: E402
 from hfpaged.kernels import attention_config  # noqa: E402
 
 DRY = "--dry-run" in sys.argv
@@ -27,18 +30,8 @@ def main(setting="SMALL_BATCH_MIN_SPLIT_TILES", label="min_tiles"):
     print(f"hfpaged from {hfpaged.__file__}", flush=True)
     if not hasattr(attention_config, setting):
         tiles = [None]
-    if DRY:
-        torch.cuda.synchronize = lambda *a, **k: None
     for name in names:
-        if DRY:
-            from transformers import AutoModelForCausalLM, LlamaConfig
-
-            torch.manual_seed(0)
-            cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-            model = AutoModelForCausalLM.from_config(cfg).half().eval()
-        else:
-            model = benchmark.build_model(name, torch.bfloat16)
+        model = probe_model(name, DRY)
         for rep in range(reps):
             for t in tiles:
                 if t is not None:

@@ -7,15 +7,18 @@ Per model, repeat and setting (a fresh patch each): batch-1 ms/token (benchmark.
 greedy tokens of both settings compared.
 """
 
+import os
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, "examples")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchmark  # noqa: E402
 
 import hfpaged  # noqa: E402
+from _probe import probe_model  # noqa: E402
 from hfpaged.model import custom_ops  # noqa: E402
 
 DRY = "--dry-run" in sys.argv
@@ -29,18 +32,8 @@ def combo_options(launch_pdl):
 def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     names, reps = args[0].split(","), int(args[1])
-    if DRY:
-        torch.cuda.synchronize = lambda *a, **k: None
     for name in names:
-        if DRY:
-            from transformers import AutoModelForCausalLM, LlamaConfig
-
-            torch.manual_seed(0)
-            cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-            model = AutoModelForCausalLM.from_config(cfg).half().eval()
-        else:
-            model = benchmark.build_model(name, torch.bfloat16)
+        model = probe_model(name, DRY)
         gen = torch.Generator().manual_seed(0)
         vocab = model.config.vocab_size
         n, new = (256, 64) if not DRY else (4, 3)

@@ -6,6 +6,7 @@ Variants: "new" (default code), "lm_head_cublas" (the output embedding taken out
 first step), "merge_before" (the merge kernel as it was: the accumulators loaded masked by the maxima).
 """
 
+import os
 import sys
 
 import torch
@@ -13,9 +14,11 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, "examples")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchmark  # noqa: E402
 
 import hfpaged  # noqa: E402
+from _probe import probe_model  # noqa: E402
 from hfpaged.kernels import paged_attention as _pa_pkg  # noqa: E402,F401
 
 pa = sys.modules["hfpaged.kernels.paged_attention"]
@@ -51,18 +54,8 @@ def merge_before(out_ptr, split_acc_ptr, split_max_ptr, split_sum_ptr, num_split
 def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     names, reps = args[0].split(","), int(args[1])
-    if DRY:
-        torch.cuda.synchronize = lambda *a, **k: None
     for name in names:
-        if DRY:
-            from transformers import AutoModelForCausalLM, LlamaConfig
-
-            torch.manual_seed(0)
-            cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-            model = AutoModelForCausalLM.from_config(cfg).half().eval()
-        else:
-            model = benchmark.build_model(name, torch.bfloat16)
+        model = probe_model(name, DRY)
         tokens = {}
         for rep in range(reps):
             for variant in ("new", "lm_head_cublas", "merge_before"):
