@@ -61,6 +61,9 @@ def _paged_attention_kernel(
     k_ctx_desc,  # CTX_KV: TMA descriptors over the context rows [rows, num_kv_heads, D] (context_rows.py)
     v_ctx_desc,
     ctx_offsets_ptr,  # CTX_KV: [B] int32, sequence b's key position p at context row offsets[b] + p; -1 = none
+    store_key_ptr,  # STORE_KV: the step's keys / values [T, num_kv_heads, D] and their slots [T] (-1 = none)
+    store_value_ptr,
+    slot_mapping_ptr,
     num_seqs,
     num_splits,
     min_split_tiles,  # SPLIT: a split covers at least this many tiles (short contexts use fewer splits)
@@ -82,6 +85,12 @@ def _paged_attention_kernel(
     stride_bt_b,
     stride_out_t,
     stride_out_h,
+    stride_sk_t,
+    stride_sk_h,
+    stride_sk_d,
+    stride_sv_t,
+    stride_sv_h,
+    stride_sv_d,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -103,6 +112,8 @@ def _paged_attention_kernel(
     FP8_DOT_F16: tl.constexpr = True,  # fp8 caches with bf16 queries: dots in fp16 (False: upcast K/V to bf16)
     USE_PDL: tl.constexpr = False,  # programmatic dependent launch (dependent_launch.py)
     ONE_QUERY: tl.constexpr = False,  # one query token per sequence; program i is sequence i (AttentionConfig.one_query)
+    STORE_KV: tl.constexpr = False,  # one query token per sequence: write its K/V row into the caches first
+    FP8_MAX: tl.constexpr = 0.0,  # STORE_KV into fp8 caches: the format's largest finite value
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -119,6 +130,8 @@ def _paged_attention_kernel(
         seq, q_start, q_end, seq_len = _locate_sequence(
             cu_seqlens_q_ptr, seq_lens_ptr, program, num_seqs, BLOCK_Q, SEARCH_BLOCK
         )
+    if STORE_KV:
+        slot = tl.load(slot_mapping_ptr + q_start).to(tl.int64)  # a step input too
     wait_for_previous_kernel(USE_PDL)
     q_len = q_end - q_start
     if ONE_QUERY:
@@ -153,6 +166,7 @@ def _paged_attention_kernel(
         full_begin = 0
     tile_begin = kv_begin // TILE_N
     tile_end = tl.cdiv(kv_end, TILE_N)
+    last_tile_end = tile_end
     if SPLIT:
         # at least min_split_tiles per split: a context too short for num_splits of them leaves the last splits
         # empty (the grid is fixed by host integers; the context length is only known here)
@@ -174,6 +188,18 @@ def _paged_attention_kernel(
             tl.store(split_max_ptr + row, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
             tl.store(split_sum_ptr + row, tl.zeros([BLOCK_M], tl.float32), mask=row_ok)
             return
+    if STORE_KV:  # noqa: SIM102 (a compile-time condition apart from the run-time one, for Triton)
+        # Each sequence has one query token, the last key: the one program of its KV head whose keys include it
+        # (the last non-empty split) writes the step's K/V row there, then synchronises its threads, so that its
+        # tile loop below reads the row back from the cache (no other program reads that key).
+        if tile_end == last_tile_end:
+            _store_row(
+                store_key_ptr, store_value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot,
+                q_start.to(tl.int64), kv_head, stride_sk_t, stride_sk_h, stride_sk_d, stride_sv_t, stride_sv_h,
+                stride_sv_d, stride_k_b, stride_k_s, stride_k_h, stride_k_d, stride_v_b, stride_v_s, stride_v_h,
+                stride_v_d, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_SIZE, KV_FP8, FP8_MAX,
+            )  # fmt: skip
+            tl.debug_barrier()
     full_tile_begin = tl.maximum(tl.minimum(tl.cdiv(full_begin, TILE_N), tile_end), tile_begin)
     full_tile_end = tl.maximum(tl.minimum((q_first + 1) // TILE_N, tile_end), full_tile_begin)
 
@@ -269,6 +295,32 @@ def _paged_attention_kernel(
         tl.store(split_sum_ptr + row, l_i, mask=row_ok)
     else:
         _store_rows(out_ptr, acc, l_i, token, head, row_ok, stride_out_t, stride_out_h, HEAD_DIM_V, HEAD_DIM_V_PAD)
+
+
+@triton.jit
+def _store_row(store_key_ptr, store_value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot, token,
+               kv_head, stride_sk_t, stride_sk_h, stride_sk_d, stride_sv_t, stride_sv_h, stride_sv_d, stride_k_b,
+               stride_k_s, stride_k_h, stride_k_d, stride_v_b, stride_v_s, stride_v_h, stride_v_d,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               HEAD_DIM_V_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
+               FP8_MAX: tl.constexpr):  # fmt: skip
+    # One token's K and V rows of one KV head into the caches at slot (< 0: none), as store_kv writes them.
+    if slot >= 0:
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        k = tl.load(store_key_ptr + token * stride_sk_t + kv_head * stride_sk_h + offs_d * stride_sk_d,
+                    mask=offs_d < HEAD_DIM)  # fmt: skip
+        offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+        v = tl.load(store_value_ptr + token * stride_sv_t + kv_head * stride_sv_h + offs_dv * stride_sv_d,
+                    mask=offs_dv < HEAD_DIM_V)  # fmt: skip
+        if KV_FP8:  # quantize on write, as store_kv: divide by the layer's scale, saturate to the finite range
+            k = tl.minimum(tl.maximum(k.to(tl.float32) / tl.load(k_scale_ptr), -FP8_MAX), FP8_MAX)
+            v = tl.minimum(tl.maximum(v.to(tl.float32) / tl.load(v_scale_ptr), -FP8_MAX), FP8_MAX)
+        k_dst = k_cache_ptr + block * stride_k_b + offset * stride_k_s + kv_head * stride_k_h + offs_d * stride_k_d
+        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+        v_dst = v_cache_ptr + block * stride_v_b + offset * stride_v_s + kv_head * stride_v_h + offs_dv * stride_v_d
+        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=offs_dv < HEAD_DIM_V)
 
 
 @triton.jit

@@ -16,6 +16,11 @@ of at least CONTEXT_MIN_TOKENS tokens, the cached context of chunks of at least 
 into contiguous rows (context_rows.py) and read the same way (session 16); with fp8 caches, whose step rows are
 not the stored (quantized) values, all the keys of such chunks are copied instead.
 
+Given ``slot_mapping=`` as well, it stores the step's keys/values first: in a step of one query token per sequence
+(decode), the program of each sequence and KV head whose keys include the last position writes that row into the
+cache, synchronises its threads and reads it back in its tile loop (no other program reads that key), which saves
+the ``store_kv`` launch; other steps run ``store_kv`` first.
+
 Grid and workspace depend only on host integers (shapes and the max_seqlen hints), so the launch
 can be captured in a CUDA graph. Query blocks map to sequences on the device by counting over
 cu_seqlens_q: sequence b owns program ids [cu[b] // BLOCK_Q + b, ...), an upper bound of
@@ -31,6 +36,7 @@ from ._checks import (
     CACHE_DTYPES,
     FLOAT_DTYPES,
     FP8_DTYPES,
+    FP8_MAX,
     check_devices,
     check_dim,
     check_kv_scales,
@@ -43,6 +49,7 @@ from .attention_kernel import _paged_attention_kernel
 from .context_rows import context_capacity, copy_context_rows
 from .dependent_launch import check_launch_pdl, launch_options
 from .split_merge import _merge_splits_kernel
+from .store_kv import store_kv
 
 LOG2E = 1.4426950408889634
 # Context rows (context_rows.py): only in steps of at least this many tokens (a smaller step's copy launch would cost
@@ -51,6 +58,9 @@ LOG2E = 1.4426950408889634
 CONTEXT_MIN_TOKENS = 2048
 CONTEXT_MIN_Q = 256
 CONTEXT_MAX_BYTES = 64 << 20
+# Steps of one query token per sequence given slot_mapping store their K/V inside the attention kernel (False: store_kv
+# first, as other steps do; a switch for A/B measurements, read at each call)
+STORE_IN_KERNEL = True
 
 
 def _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale) -> None:
@@ -188,6 +198,7 @@ def paged_attention_with_config(
     step_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     context_rows: int = 0,
     context_min_q: int = CONTEXT_MIN_Q,
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """paged_attention with an explicit tile config (tests, tuning); arguments are not re-checked.
 
@@ -197,6 +208,8 @@ def paged_attention_with_config(
     ``context_rows`` > 0 (a multiple of the tile; with ``step_kv`` given, no sliding window and
     ``context_rows_usable``, else ignored): first copy the whole-tile cached context (fp8 caches: all the keys) of
     chunks of at least ``context_min_q`` tokens into that many contiguous rows, which those tiles then read by TMA.
+    ``store``: ``(key, value, slot_mapping)`` of a step with exactly one query token per sequence (the caller
+    guarantees it): the kernel first writes each token's K/V row at its slot (-1 = none), as ``store_kv`` would.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -236,6 +249,8 @@ def paged_attention_with_config(
                 rows_dtype=context_rows_dtype(q.dtype, k_cache.dtype), launch_pdl=launch_pdl,
             )  # fmt: skip
             k_ctx_desc, v_ctx_desc = (_step_descriptor(t, config.tile_n) for t in rows)
+    store_key, store_value, slots = store if store is not None else (seq_lens, seq_lens, seq_lens)  # unused if None
+    store_strides = (*store_key.stride(), *store_value.stride()) if store is not None else (0,) * 6
     _paged_attention_kernel[(num_programs, num_kv_heads, config.num_splits)](
         out,
         split_acc,
@@ -254,6 +269,9 @@ def paged_attention_with_config(
         k_ctx_desc,
         v_ctx_desc,
         ctx_offsets,
+        store_key,
+        store_value,
+        slots,
         num_seqs,
         config.num_splits,
         config.min_split_tiles,
@@ -267,6 +285,7 @@ def paged_attention_with_config(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
+        *store_strides,
         NUM_HEADS=num_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -287,6 +306,8 @@ def paged_attention_with_config(
         CTX_KV=ctx_offsets is not None,
         USE_PDL=launch_pdl,
         ONE_QUERY=config.one_query,
+        STORE_KV=store is not None,
+        FP8_MAX=FP8_MAX.get(k_cache.dtype, 0.0),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(launch_pdl),
@@ -330,6 +351,7 @@ def paged_attention(
     launch_pdl: bool = False,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a packed batch (GQA, sliding window, softcap) -> ``[T, num_heads, head_dim_v]``.
 
@@ -338,6 +360,9 @@ def paged_attention(
     ``dependent_launch.py``; needs ``dependent_launch_supported``). ``key``/``value``: this step's own keys and
     values ``[T, num_kv_heads, D]``, as just stored into the cache (optional): prompt chunks then read the tiles of
     keys computed in this step from them by TMA instead of gathering through the block table (same values).
+    ``slot_mapping`` (``[T]`` int32/int64, -1 = none; needs ``key``/``value``): store the step's keys and values into
+    the caches first, as ``store_kv`` would; in a step of one query token per sequence (``max_seqlen_q`` 1 and as
+    many tokens as sequences) the attention kernel writes them itself, one launch less.
     """
     _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale)
     check_launch_pdl(launch_pdl, q.device)
@@ -360,6 +385,20 @@ def paged_attention(
     config = config_for_batch(num_tokens, num_seqs, num_heads, q.dtype, k_cache, v_cache, max_seqlen_q, max_seqlen_k)
     if (key is None) != (value is None):
         raise ValueError("key and value go together: give both or neither")
+    store = None
+    if slot_mapping is not None:
+        if key is None:
+            raise ValueError("slot_mapping stores the step's keys and values: give key and value too")
+        if STORE_IN_KERNEL and max_seqlen_q == 1 and num_tokens == num_seqs:  # one query per sequence
+            step_kv_usable(q, k_cache, v_cache, key, value)  # checks their shapes
+            check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
+            check_devices(q=q, slot_mapping=slot_mapping)
+            check_dim("slot_mapping", slot_mapping, 0, num_tokens, "q.shape[0], the number of tokens")
+            store = (key, value, slot_mapping)
+        else:
+            store_kv(
+                key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale, launch_pdl=launch_pdl
+            )
     # prompt tiles only (decode tiles hold no whole tile of keys from the step); checked once, below
     use_step_kv = key is not None and config.num_splits == 1 and max_seqlen_q >= config.tile_n
     context_rows = 0
@@ -385,4 +424,5 @@ def paged_attention(
         step_kv=(key, value) if use_step_kv else None,
         context_rows=context_rows,
         context_min_q=CONTEXT_MIN_Q,
+        store=store,
     )

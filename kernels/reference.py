@@ -80,6 +80,7 @@ def paged_attention_reference(
     v_scale: torch.Tensor | None = None,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference paged attention over a packed batch (causal, GQA, sliding window, softcap; fp8 caches
     are dequantized with ``k_scale``/``v_scale``).
@@ -87,9 +88,14 @@ def paged_attention_reference(
     q is ``[T, num_heads, head_dim]``; the ``q_len`` queries of sequence ``b`` are its last
     ``q_len`` positions out of ``seq_lens[b]``. Scores are computed in float32 (float64 for float64 q).
     ``max_seqlen_q``/``max_seqlen_k`` are optional host-side hints (unused here; kernels size grids by them), and so
-    are ``key``/``value`` (the step's own keys: the reference reads every key from the cache).
+    are ``key``/``value`` (the step's own keys: the reference reads every key from the cache). ``slot_mapping``: store
+    ``key``/``value`` into the caches at these slots first (``store_kv_reference``).
     """
     check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    if slot_mapping is not None:
+        if key is None or value is None:
+            raise ValueError("slot_mapping stores the step's keys and values: give key and value too")
+        store_kv_reference(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     num_tokens, num_heads, _ = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     head_dim_v = v_cache.shape[-1]

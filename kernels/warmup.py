@@ -2,7 +2,8 @@
 
 ``paged_attention`` compiles a variant per tile config (picked from the longest query run and the split
 count) and per sequence-search width (a compile-time constant: fewer than 64 sequences, fewer than 256, or
-more); ``store_kv`` one per cache shape. One batch of each kind is enough: uniform query lengths and one
+more), and with it the one that stores the step's K/V itself (one query token per sequence) or
+``store_kv`` (several). One batch of each kind is enough: uniform query lengths and one
 long run among one-token decodes (mixed steps), for every search width up to ``max_num_seqs``.
 """
 
@@ -16,7 +17,6 @@ import torch
 
 from ._checks import cdiv
 from .paged_attention import SEARCH_BLOCK_SEQ_COUNTS, config_for_batch, paged_attention, search_block
-from .store_kv import store_kv
 
 QUERY_LENGTHS = (1, 2, 4, 8, 16, 32, 64, 256, 2048)
 
@@ -94,6 +94,7 @@ def warm_up(
         q = torch.ones(num_tokens, num_heads, head_dim, dtype=dtype, device=device)  # no RNG: a graph may be capturing
         kv = torch.zeros(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
         values = torch.zeros(num_tokens, num_kv_heads, v_cache.shape[3], dtype=dtype, device=device)
+        slots = torch.full((num_tokens,), -1, dtype=torch.int32, device=device)
         paged_attention(
             q,
             k_cache,
@@ -109,16 +110,7 @@ def warm_up(
             launch_pdl=launch_pdl,
             key=kv,  # as the engine passes the step's keys (prompt chunks: the variant reading them by TMA)
             value=values,
-            **scales,
-        )
-        slots = torch.full((num_tokens,), -1, dtype=torch.int32, device=device)
-        store_kv(
-            kv,
-            values,
-            k_cache,
-            v_cache,
-            slots,
-            launch_pdl=launch_pdl,
+            slot_mapping=slots,  # stores nothing; decode batches: the variant that stores in the kernel
             **scales,
         )
 

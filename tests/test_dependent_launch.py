@@ -49,8 +49,7 @@ def test_default_is_off_where_unsupported_and_generation_is_exact():
     hfpaged.patch(model, num_blocks=32, block_size=4, attention_backend="triton")
     state = model._hfpaged
     assert state.dependent_launch is False
-    store, attend = state.attention_functions()
-    assert store.keywords == {"launch_pdl": False} and attend.keywords == {"launch_pdl": False}
+    assert state.attention_function().keywords == {"launch_pdl": False}
     results = model.generate_many(prompts, max_new_tokens=6, do_sample=False)
     assert [r.token_ids for r in results] == reference_generate(model, prompts, max_new_tokens=6, do_sample=False)
 
@@ -83,8 +82,7 @@ def test_default_policy_where_supported(monkeypatch):
     hfpaged.patch(model, num_blocks=32, block_size=4, attention_backend="triton")
     state = model._hfpaged
     assert state.dependent_launch is True
-    store, attend = state.attention_functions()
-    assert store.keywords == {"launch_pdl": True} and attend.keywords == {"launch_pdl": True}
+    assert state.attention_function().keywords == {"launch_pdl": True}
     state.tp = object()  # what a model sharded by transformers' tp_plan has
     assert state.dependent_launch is False
     monkeypatch.setattr(state.config, "dependent_launch", True)

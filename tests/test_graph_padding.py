@@ -24,7 +24,7 @@ def replay_eagerly(model, attention=None):
     """Make the model's runner use "graphs" that run the padded forward eagerly; returns the runner."""
     runner = model._hfpaged.engine.runner
     if attention is not None:
-        runner.store_fn, runner.attention_fn = attention
+        runner.attention_fn = attention
 
     def capture(graphs, forward):
         graphs.replay = lambda bucket, num_sampled: forward(graphs._views(bucket))[:num_sampled]
@@ -63,9 +63,9 @@ def test_padded_steps_equal_stock_generate(kernel):
     attention = None
     if kernel == "triton":
         pytest.importorskip("triton")
-        from hfpaged.kernels import paged_attention, store_kv
+        from hfpaged.kernels import paged_attention
 
-        attention = (store_kv, paged_attention)
+        attention = paged_attention  # decode steps: the kernel stores the step's K/V itself
     runner = replay_eagerly(model, attention)
     results = model.generate_many(prompts, max_new_tokens=8, do_sample=False)
     assert [r.token_ids for r in results] == expected

@@ -150,17 +150,14 @@ class PatchState:
 
         return all(dependent_launch_supported(layer.device) for layer in self.layers)
 
-    def attention_functions(self) -> tuple[Callable, Callable]:
-        """(store_kv, paged_attention) for this model: Triton kernels on CUDA, else the torch reference."""
+    def attention_function(self) -> Callable:
+        """paged_attention for this model (it stores the step's K/V too): the Triton kernels on CUDA, else the torch
+        reference."""
         from .. import kernels
 
         if self.use_triton:
-            launch_pdl = self.dependent_launch
-            return (
-                functools.partial(kernels.store_kv, launch_pdl=launch_pdl),
-                functools.partial(kernels.paged_attention, launch_pdl=launch_pdl),
-            )
-        return kernels.store_kv_reference, kernels.paged_attention_reference
+            return functools.partial(kernels.paged_attention, launch_pdl=self.dependent_launch)
+        return kernels.paged_attention_reference
 
 
 def get_state(model: Any) -> PatchState:

@@ -90,10 +90,9 @@ class Discovery:
 
 @dataclass
 class PagedStep:
-    """A paged forward's context: the step's metadata and the kernels to store and attend with."""
+    """A paged forward's context: the step's metadata and the attention function (which stores the step's K/V too)."""
 
     metadata: AttentionMetadata
-    store_fn: Callable[..., None]
     attention_fn: Callable[..., torch.Tensor]
     calibrate: bool = False  # fp8 caches: set each layer's K/V scales from this forward's keys/values first
 
@@ -205,7 +204,6 @@ def _paged(context: PagedStep, module, query, key, value, scaling, sliding_windo
         if context.calibrate:
             calibrate(scales[0], key, value, k_cache.dtype)
         kv_scales = {"k_scale": scales[1], "v_scale": scales[2]}
-    context.store_fn(key, value, k_cache, v_cache, meta.slot_mapping, **kv_scales)
     out = context.attention_fn(
         q,
         k_cache,
@@ -218,8 +216,9 @@ def _paged(context: PagedStep, module, query, key, value, scaling, sliding_windo
         softcap=softcap,
         max_seqlen_q=meta.max_seqlen_q,
         max_seqlen_k=meta.max_seqlen_k,
-        key=key,  # the step's own keys: prompt chunks read them instead of gathering what was just stored
+        key=key,  # stored at the slots first; prompt chunks then read them instead of gathering what was stored
         value=value,
+        slot_mapping=meta.slot_mapping,
         **kv_scales,
     )
     return out.unsqueeze(0)

@@ -37,30 +37,14 @@ _sizes_lock = threading.RLock()  # one compiled forward at a time sets and resto
 
 
 def register_custom_ops() -> None:
-    """Register ``hfpaged::store_kv``, ``hfpaged::paged_attention`` and ``hfpaged::gemv`` (once per process)."""
+    """Register ``hfpaged::paged_attention`` (it stores the step's K/V too) and ``hfpaged::gemv`` (once per
+    process)."""
     global _registered
     if _registered:
         return
-    from ..kernels import paged_attention, store_kv
+    from ..kernels import paged_attention
 
-    @torch.library.custom_op("hfpaged::store_kv", mutates_args=("k_cache", "v_cache"))
-    def store_kv_op(
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        k_scale: torch.Tensor | None,
-        v_scale: torch.Tensor | None,
-        launch_pdl: bool,
-    ) -> None:
-        store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale, launch_pdl=launch_pdl)
-
-    @store_kv_op.register_fake
-    def _store_kv_fake(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, launch_pdl) -> None:
-        return None
-
-    @torch.library.custom_op("hfpaged::paged_attention", mutates_args=())
+    @torch.library.custom_op("hfpaged::paged_attention", mutates_args=("k_cache", "v_cache"))
     def paged_attention_op(
         q: torch.Tensor,
         k_cache: torch.Tensor,
@@ -78,6 +62,7 @@ def register_custom_ops() -> None:
         launch_pdl: bool,
         key: torch.Tensor,
         value: torch.Tensor,
+        slot_mapping: torch.Tensor,
     ) -> torch.Tensor:
         return paged_attention(
             q,
@@ -96,6 +81,7 @@ def register_custom_ops() -> None:
             launch_pdl=launch_pdl,
             key=key,
             value=value,
+            slot_mapping=slot_mapping,
         )
 
     @paged_attention_op.register_fake
@@ -116,6 +102,7 @@ def register_custom_ops() -> None:
         launch_pdl,
         key,
         value,
+        slot_mapping,
     ) -> torch.Tensor:
         return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
 
@@ -139,16 +126,6 @@ def compiled_attention(module, query, key, value, scaling, sliding_window, softc
     k_scale, v_scale = (None, None) if scales is None else scales[1:]
     q, key, value = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     launch_pdl = kwargs["hfpaged_launch_pdl"]  # a Python bool: a constant of the compiled graph
-    torch.ops.hfpaged.store_kv(
-        key,
-        value,
-        k_cache,
-        v_cache,
-        kwargs["hfpaged_slot_mapping"],
-        k_scale,
-        v_scale,
-        launch_pdl,
-    )
     out = torch.ops.hfpaged.paged_attention(
         q,
         k_cache,
@@ -164,8 +141,9 @@ def compiled_attention(module, query, key, value, scaling, sliding_window, softc
         k_scale,
         v_scale,
         launch_pdl,
-        key,  # the step's own keys: prompt chunks read them instead of gathering what was just stored
+        key,  # stored at the slots first (decode steps: by the attention kernel); prompt chunks then read them
         value,
+        kwargs["hfpaged_slot_mapping"],
     )
     return out.unsqueeze(0)
 

@@ -49,7 +49,7 @@ class ModelRunner:
         self.device = state.input_device
         self.block_size = state.config.block_size
         self.supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.store_fn, self.attention_fn = state.attention_functions()
+        self.attention_fn = state.attention_function()
         self.single_device = all(layer.device == self.device for layer in state.layers)
         self.use_graphs = (
             self.device.type == "cuda"
@@ -202,7 +202,7 @@ class ModelRunner:
         self, step: DeviceStep, logits_indices: torch.Tensor | list[int] | int | None = None, calibrate: bool = False
     ) -> torch.Tensor:
         """The unmodified model over a packed step with paged attention; logits ``[n, vocab]``."""
-        context = PagedStep(step.metadata, self.store_fn, self.attention_fn, calibrate)
+        context = PagedStep(step.metadata, self.attention_fn, calibrate)
         keep = step.logits_indices if logits_indices is None else logits_indices
         kwargs = {"logits_to_keep": keep} if self.supports_logits_to_keep else {}
         with self._model_step():
