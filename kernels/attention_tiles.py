@@ -43,10 +43,6 @@ def _attend_tile(
     USE_WINDOW: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    sub_pos=-1,  # SUBSTITUTE: the key at this position (< 0: none) is k_row / v_row, not what the cache holds
-    k_row=None,  # [HEAD_DIM_PAD] in q's dtype
-    v_row=None,  # [HEAD_DIM_V_PAD]
-    SUBSTITUTE: tl.constexpr = False,
 ):
     # One TILE_N-key step of the online softmax (log2 domain) for all rows of the program.
     offs_n = tl.arange(0, TILE_N)
@@ -88,10 +84,6 @@ def _attend_tile(
     # qk_scale and the final normalisation, so no full-precision copy of the cache exists anywhere)
     k = k.to(q.dtype)
     v = v.to(q.dtype)
-    if SUBSTITUTE:  # the step's own key, being written to the cache by this program (the caller masks its load)
-        hit = k_pos == sub_pos
-        k = tl.where(hit[None, :], k_row[:, None], k)
-        v = tl.where(hit[:, None], v_row[None, :], v)
     return _online_softmax_step(
         acc, m_i, l_i, q, k, v, k_pos, q_pos, qk_scale, softcap, window, USE_SOFTCAP, USE_WINDOW, MASKED, DOT_PRECISION
     )
@@ -203,16 +195,12 @@ def _attend_tiles(
     USE_WINDOW: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    sub_pos=-1,
-    k_row=None,
-    v_row=None,
-    SUBSTITUTE: tl.constexpr = False,
 ):
     for tile in range(tile_begin, tile_end):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, tile, q_pos, kv_end, k_head_ptr, v_head_ptr, block_table_row_ptr,
             qk_scale, softcap, window, stride_k_b, stride_k_s, stride_k_d, stride_v_b, stride_v_s, stride_v_d,
             HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_SIZE, TILE_N,
-            USE_SOFTCAP, USE_WINDOW, MASKED, DOT_PRECISION, sub_pos, k_row, v_row, SUBSTITUTE,
+            USE_SOFTCAP, USE_WINDOW, MASKED, DOT_PRECISION,
         )  # fmt: skip
     return acc, m_i, l_i
