@@ -239,7 +239,7 @@ def test_mid_size_decode_batch_through_paged_attention(fp8):
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 def test_warm_up_compiles_every_decode_variant(cache_dtype):
     # After warm_up, decode batches of every size up to max_num_seqs (as the graphs meet them: the context hint is
-    # the whole graph width) compile no new paged_attention variant.
+    # the whole graph width, the step's K/V stored by the kernel) compile no new paged_attention variant.
     from hfpaged.kernels.attention_kernel import _paged_attention_kernel
     from hfpaged.kernels.warmup import warm_up
 
@@ -259,9 +259,11 @@ def test_warm_up_compiles_every_decode_variant(cache_dtype):
     for num_seqs in range(1, max_num_seqs + 1):
         table = torch.arange(64, device="cuda", dtype=torch.int32).repeat(num_seqs, 1)
         q = torch.randn(num_seqs, num_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        kv = torch.randn(num_seqs, num_kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        slots = torch.full((num_seqs,), -1, device="cuda", dtype=torch.int32)
         paged_attention(q, k_cache, v_cache, table, torch.full((num_seqs,), 1000, device="cuda", dtype=torch.int32),
                         torch.arange(num_seqs + 1, device="cuda", dtype=torch.int32), scale=0.1, max_seqlen_q=1,
-                        max_seqlen_k=40960, **extra)  # fmt: skip
+                        max_seqlen_k=40960, key=kv, value=kv, slot_mapping=slots, **extra)  # fmt: skip
     assert variants() == before
 
 
