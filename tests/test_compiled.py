@@ -233,28 +233,3 @@ def test_compile_option_values():
     assert EngineConfig().compile is None
     with pytest.raises(ValueError, match="compile must be True, False or None, got 'yes'"):
         EngineConfig(compile="yes")
-
-
-def test_outer_product_bmm_rule_where_torch_lacks_it(monkeypatch):
-    # torch 2.11 (the GPU machine) leaves [B, M, 1] @ [B, 1, N] (the rotary embeddings' inv_freq @ position_ids) to an
-    # extern bmm kernel; the rule hfpaged adds computes it as a broadcast multiply, with the same values
-    from torch._inductor import decomposition
-    from torch._inductor.utils import run_and_get_code
-
-    bmm = torch.ops.aten.bmm.default
-    monkeypatch.setitem(decomposition.decompositions, bmm, lambda a, b, *rest, **kw: NotImplemented)  # no rule
-    assert custom_ops.outer_product_bmm() is True
-    assert custom_ops.outer_product_bmm() is False  # added once
-    rule = decomposition.decompositions[bmm]
-    a, b = torch.randn(2, 5, 1), torch.randn(2, 1, 7)
-    assert torch.equal(rule(a, b), torch.bmm(a, b))
-    assert rule(torch.randn(2, 5, 3), torch.randn(2, 3, 7)) is NotImplemented  # other shapes: the rule before
-
-    def outer(inv_freq, positions):
-        return inv_freq[None, :, None].float() @ positions[:, None, :].float()
-
-    inv_freq, positions = torch.rand(16), torch.arange(40)[None]
-    compiled = torch.compile(outer, dynamic=True)
-    out, codes = run_and_get_code(compiled, inv_freq, positions)
-    assert torch.equal(out, outer(inv_freq, positions))
-    assert not any("extern_kernels.bmm" in code for code in codes)

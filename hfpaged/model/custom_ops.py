@@ -269,37 +269,6 @@ def inductor_options(launch_pdl: bool) -> dict:
     return options
 
 
-def outer_product_bmm() -> bool:
-    """Let Inductor compute a batched outer product (``[B, M, 1] @ [B, 1, N]``, as the rotary embeddings' ``inv_freq @
-    position_ids``) as a broadcast multiply where the installed torch leaves it to an extern bmm kernel (torch 2.11
-    on the H100 machine: a cutlass launch of ~4 us plus ~2 us preparing its operands in every step, and no dependent
-    launch across it); newer torch has the same rule in its own table. The products are exact in both (one term),
-    so the values do not change. Adds the rule to Inductor's decomposition table (process-wide, only for this
-    shape; other bmm calls go to the rule that was there); returns whether it was added."""
-    from torch._inductor import decomposition
-
-    table = decomposition.decompositions
-    bmm = torch.ops.aten.bmm.default
-    current = table.get(bmm)
-    if current is None or getattr(current, "_hfpaged_outer_product", False):
-        return False
-    meta = functools.partial(torch.empty, device="meta")
-    if current(meta(1, 4, 1), meta(1, 1, 3)) is not NotImplemented:
-        return False  # this torch already decomposes it
-
-    def bmm_with_outer_product(self, batch2, *args, **kwargs):
-        from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-        outer = statically_known_true(self.shape[2] == 1) and statically_known_true(batch2.shape[1] == 1)
-        if outer and not args and not kwargs and self.dtype == batch2.dtype:
-            return (self * batch2).contiguous()
-        return current(self, batch2, *args, **kwargs)
-
-    bmm_with_outer_product._hfpaged_outer_product = True
-    table[bmm] = bmm_with_outer_product
-    return True
-
-
 class CompiledStepForward:
     """``(model, input_ids, position_ids, slots, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q=,
     logits_indices=) -> logits`` of a step in a CUDA graph (decode: ``max_seqlen_q`` 1, every row sampled; mixed:
@@ -308,7 +277,6 @@ class CompiledStepForward:
 
     def __init__(self, max_seqlen_k: int, regional: bool = True, launch_pdl: bool = False):
         register_custom_ops()
-        outer_product_bmm()
         self.max_seqlen_k = max_seqlen_k
         self.launch_pdl = launch_pdl  # the Triton kernels' programmatic dependent launch (dependent_launch.py)
         self.regional = regional

@@ -2,6 +2,7 @@
 process, decode steps storing K/V in the attention kernel in both. Compile caches off (Inductor's FX graph cache and
 hfpaged's), so every patch compiles its layers with the rule as set.
 
+Runs against commit 9b21fd1 (the rule was removed after this probe measured no gain).
 TORCHINDUCTOR_FX_GRAPH_CACHE=0 python notes/results/session21/s21_b.py MODEL[,MODEL...] REPS [--dry-run]
 Per model, repeat and setting: batch-1 ms/token (benchmark.batch1_latency, median of 3) and the greedy tokens of 32
 requests (200-400 prompt tokens, 32 new) compared between the settings.
