@@ -114,7 +114,6 @@ def _paged_attention_kernel(
     ONE_QUERY: tl.constexpr = False,  # one query token per sequence; program i is sequence i (AttentionConfig.one_query)
     STORE_KV: tl.constexpr = False,  # one query token per sequence: write its K/V row into the caches first
     FP8_MAX: tl.constexpr = 0.0,  # STORE_KV into fp8 caches: the format's largest finite value
-    PREFETCH_TABLE: tl.constexpr = False,  # prefetch the first tile's block ids before the wait (CUDA, not interpreted)
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -189,10 +188,6 @@ def _paged_attention_kernel(
             tl.store(split_max_ptr + row, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
             tl.store(split_sum_ptr + row, tl.zeros([BLOCK_M], tl.float32), mask=row_ok)
             return
-    if PREFETCH_TABLE:
-        # the block-table line of this program's first tile (a step input) into L1 while the previous kernel
-        # finishes: the tile loop's first gather then finds its block ids there instead of an L2 round trip away
-        _prefetch_l1(block_tables_ptr + seq.to(tl.int64) * stride_bt_b + (tile_begin * TILE_N) // BLOCK_SIZE)
     wait_for_previous_kernel(USE_PDL)
     if STORE_KV:  # noqa: SIM102 (a compile-time condition apart from the run-time one, for Triton)
         # Each sequence has one query token, the last key: the one program of its KV head whose keys include it
@@ -301,13 +296,6 @@ def _paged_attention_kernel(
         tl.store(split_sum_ptr + row, l_i, mask=row_ok)
     else:
         _store_rows(out_ptr, acc, l_i, token, head, row_ok, stride_out_t, stride_out_h, HEAD_DIM_V, HEAD_DIM_V_PAD)
-
-
-@triton.jit
-def _prefetch_l1(ptr):
-    # a prefetch of ptr's line into L1 (PTX; the interpreter has no inline assembly)
-    tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32,
-                              is_pure=False, pack=1)  # fmt: skip
 
 
 @triton.jit

@@ -61,9 +61,6 @@ CONTEXT_MAX_BYTES = 64 << 20
 # Steps of one query token per sequence given slot_mapping store their K/V inside the attention kernel (False: store_kv
 # first, as other steps do; a switch for A/B measurements, read at each call)
 STORE_IN_KERNEL = True
-# The attention programs prefetch their first tile's block-table entries into L1 before the dependent-launch wait (CUDA
-# only; a switch for A/B measurements, read at each call)
-PREFETCH_TABLE = True
 
 
 def _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale) -> None:
@@ -310,7 +307,6 @@ def paged_attention_with_config(
         USE_PDL=launch_pdl,
         ONE_QUERY=config.one_query,
         STORE_KV=store is not None,
-        PREFETCH_TABLE=PREFETCH_TABLE and q.device.type == "cuda",
         FP8_MAX=FP8_MAX.get(k_cache.dtype, 0.0),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

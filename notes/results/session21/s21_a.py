@@ -2,7 +2,7 @@
 process (``kernels.paged_attention.STORE_IN_KERNEL``; each setting a fresh patch, so the graphs are captured with it).
 
 python notes/results/session21/s21_a.py MODEL[,MODEL...] REPS [SWITCH] [--dry-run]
-SWITCH: the ``kernels.paged_attention`` flag toggled (default STORE_IN_KERNEL; PREFETCH_TABLE: the attention programs
+SWITCH: the ``kernels.paged_attention`` flag toggled (default STORE_IN_KERNEL; PREFETCH_TABLE, commit 67b030f: the programs
 prefetch their first tile's block ids before the dependent-launch wait).
 Per model, repeat and setting: batch-1 ms/token (benchmark.batch1_latency: 128-token prompt, 256 new, median of 3)
 and the output tok/s of 256 requests of 200-400 prompt tokens x 64 new tokens (generate_many), with the greedy
