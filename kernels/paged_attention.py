@@ -46,7 +46,13 @@ from ._checks import (
 )
 from .attention_config import AttentionConfig, choose_config
 from .attention_kernel import _paged_attention_kernel
-from .context_rows import context_capacity, copy_context_rows
+from .context_rows import (
+    context_capacity,
+    context_rows_dtype,
+    context_rows_usable,
+    copy_context_rows,
+    step_kv_usable,
+)
 from .dependent_launch import check_launch_pdl, launch_options
 from .split_merge import _merge_splits_kernel
 from .store_kv import store_kv
@@ -127,51 +133,6 @@ def config_for_batch(
         max_seqlen_k=max_seqlen_k,
         device=k_cache.device,
     )
-
-
-def step_kv_usable(q, k_cache, v_cache, key, value) -> bool:
-    """Whether the step's own keys/values (checked: ``[T, num_kv_heads, D]`` like q and the caches) can feed the TMA
-    tiles: 16-bit caches (fp8 caches hold quantized values, which the kernel must read), power-of-two heads of at
-    most 128 (one TMA box row), K and V heads alike, rows TMA can address (16-byte aligned base and strides, unit
-    stride along a head)."""
-    for name, t, cache in (("key", key, k_cache), ("value", value, v_cache)):
-        expected = (q.shape[0], cache.shape[2], cache.shape[3])
-        if tuple(t.shape) != expected or t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(
-                f"{name} must be [{expected[0]}, {expected[1]}, {expected[2]}] {q.dtype} on {q.device} "
-                f"(q's tokens, the cache's KV heads and head dim), got {list(t.shape)} {t.dtype} on {t.device}"
-            )
-    if q.dtype not in (torch.float16, torch.bfloat16) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        return False
-    if not _tma_heads(k_cache, v_cache):
-        return False
-    for t in (key, value):
-        size = t.element_size()
-        if t.stride(2) != 1 or t.data_ptr() % 16 or (t.stride(0) * size) % 16 or (t.stride(1) * size) % 16:
-            return False
-    return True
-
-
-def _tma_heads(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """K and V heads of one power-of-two width of at most 128 (one TMA box row)."""
-    head_dim = k_cache.shape[3]
-    return v_cache.shape[3] == head_dim and head_dim <= 128 and head_dim == next_power_of_2(max(16, head_dim))
-
-
-def context_rows_usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the cache can be copied into rows the kernel reads by TMA (context_rows.py): 16-bit caches of q's dtype
-    or fp8 caches (rows of the whole sequence then), heads as ``_tma_heads``."""
-    fp8 = k_cache.dtype in FP8_DTYPES and v_cache.dtype == k_cache.dtype
-    same = q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
-    return (fp8 or same) and _tma_heads(k_cache, v_cache)
-
-
-def context_rows_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the copied rows: the cache's for 16-bit caches; for fp8 caches the one the attention tiles convert
-    K/V to (fp16 for 16-bit queries, whose dots then run in fp16; q's dtype otherwise)."""
-    if cache_dtype not in FP8_DTYPES:
-        return cache_dtype
-    return torch.float16 if q_dtype in (torch.float16, torch.bfloat16) else q_dtype
 
 
 def _step_descriptor(t: torch.Tensor, tile_n: int) -> TensorDescriptor:
