@@ -17,7 +17,7 @@ import time
 import torch
 
 sys.path.insert(0, "examples")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "session20"))  # _probe.py
 import benchmark  # noqa: E402
 
 import hfpaged  # noqa: E402

@@ -16,7 +16,7 @@ import torch
 from torch._inductor import decomposition
 
 sys.path.insert(0, "examples")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "session20"))  # _probe.py
 import benchmark  # noqa: E402
 
 import hfpaged  # noqa: E402
