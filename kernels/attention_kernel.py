@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .attention_tiles import _attend_row, _attend_step_tiles, _attend_tiles
+from .attention_tiles import _attend_step_tiles, _attend_tiles
 from .dependent_launch import wait_for_previous_kernel
 
 
@@ -189,6 +189,18 @@ def _paged_attention_kernel(
             tl.store(split_sum_ptr + row, tl.zeros([BLOCK_M], tl.float32), mask=row_ok)
             return
     wait_for_previous_kernel(USE_PDL)
+    if STORE_KV:  # noqa: SIM102 (a compile-time condition apart from the run-time one, for Triton)
+        # Each sequence has one query token, the last key: the one program of its KV head whose keys include it
+        # (the last non-empty split) writes the step's K/V row there, then synchronises its threads, so that its
+        # tile loop below reads the row back from the cache (no other program reads that key).
+        if tile_end == last_tile_end:
+            _store_row(
+                store_key_ptr, store_value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot,
+                q_start.to(tl.int64), kv_head, stride_sk_t, stride_sk_h, stride_sk_d, stride_sv_t, stride_sv_h,
+                stride_sv_d, stride_k_b, stride_k_s, stride_k_h, stride_k_d, stride_v_b, stride_v_s, stride_v_h,
+                stride_v_d, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_SIZE, KV_FP8, FP8_MAX,
+            )  # fmt: skip
+            tl.debug_barrier()
     full_tile_begin = tl.maximum(tl.minimum(tl.cdiv(full_begin, TILE_N), tile_end), tile_begin)
     full_tile_end = tl.maximum(tl.minimum((q_first + 1) // TILE_N, tile_end), full_tile_begin)
 
@@ -222,25 +234,6 @@ def _paged_attention_kernel(
                 qk_scale = qk_scale / q_mult
     k_head_ptr = k_cache_ptr + kv_head * stride_k_h
     v_head_ptr = v_cache_ptr + kv_head * stride_v_h
-    # STORE_KV: each sequence has one query token, whose key is the last: the one program of each KV head whose keys
-    # include it (the last non-empty split) writes the step's K/V row into the cache and takes that key from the row
-    # it holds, after its tiles (which stop one key short): nothing waits on the store, no other program reads that
-    # key. A padding row (slot < 0) writes nothing and reads the cache, as after store_kv.
-    masked_end = kv_end  # masked tiles load and attend keys before this position
-    k_row = tl.zeros([HEAD_DIM_PAD], dtype=q.dtype)
-    v_row = tl.zeros([HEAD_DIM_V_PAD], dtype=q.dtype)
-    if STORE_KV:
-        full_tile_end = tl.maximum(tl.minimum(full_tile_end, last_tile_end - 1), full_tile_begin)  # last tile: masked
-        if (tile_end == last_tile_end) & (slot >= 0):
-            k_row, v_row = _store_row(
-                store_key_ptr, store_value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot,
-                q_start.to(tl.int64), kv_head, stride_sk_t, stride_sk_h, stride_sk_d, stride_sv_t, stride_sv_h,
-                stride_sv_d, stride_k_b, stride_k_s, stride_k_h, stride_k_d, stride_v_b, stride_v_s, stride_v_h,
-                stride_v_d, HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_SIZE, KV_FP8, FP8_MAX,
-            )  # fmt: skip
-            k_row = k_row.to(q.dtype)  # the values the tiles would load and convert
-            v_row = v_row.to(q.dtype)
-            masked_end = kv_end - 1
     block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_b
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], dtype=tl.float32)
@@ -248,7 +241,7 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_WINDOW:  # without a window nothing below the causal range is masked: [tile_begin, full_tile_begin) is empty
         acc, m_i, l_i = _attend_tiles(
-            acc, m_i, l_i, q, tile_begin, full_tile_begin, q_pos, masked_end, k_head_ptr, v_head_ptr,
+            acc, m_i, l_i, q, tile_begin, full_tile_begin, q_pos, kv_end, k_head_ptr, v_head_ptr,
             block_table_row_ptr, qk_scale, softcap, window,
             stride_k_b, stride_k_s, stride_k_d, stride_v_b, stride_v_s, stride_v_d,
             HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_SIZE, TILE_N,
@@ -286,15 +279,12 @@ def _paged_attention_kernel(
             v_step_desc, qk_scale, softcap, HEAD_DIM_PAD, HEAD_DIM_V_PAD, TILE_N, USE_SOFTCAP, DOT_PRECISION,
         )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, full_tile_end, tile_end, q_pos, masked_end, k_head_ptr, v_head_ptr,
+        acc, m_i, l_i, q, full_tile_end, tile_end, q_pos, kv_end, k_head_ptr, v_head_ptr,
         block_table_row_ptr, qk_scale, softcap, window,
         stride_k_b, stride_k_s, stride_k_d, stride_v_b, stride_v_s, stride_v_d,
         HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_SIZE, TILE_N,
         USE_SOFTCAP, USE_WINDOW, True, DOT_PRECISION,
     )  # fmt: skip
-    if STORE_KV:  # noqa: SIM102 (a compile-time condition apart from the run-time one, for Triton)
-        if masked_end < kv_end:  # the writing program: the last key from its row
-            acc, m_i, l_i = _attend_row(acc, m_i, l_i, q, k_row, v_row, qk_scale, softcap, USE_SOFTCAP)
 
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)  # sum p * (v8 * v_scale): the partial sums l_i are unaffected
@@ -315,26 +305,23 @@ def _store_row(store_key_ptr, store_value_ptr, k_cache_ptr, v_cache_ptr, k_scale
                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                HEAD_DIM_V_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
                FP8_MAX: tl.constexpr):  # fmt: skip
-    # One token's K and V rows of one KV head into the caches at slot (>= 0), as store_kv writes them; returns the
-    # rows as stored (the caches' dtype; zero past the head dims).
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    k = tl.load(store_key_ptr + token * stride_sk_t + kv_head * stride_sk_h + offs_d * stride_sk_d,
-                mask=offs_d < HEAD_DIM, other=0.0)  # fmt: skip
-    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
-    v = tl.load(store_value_ptr + token * stride_sv_t + kv_head * stride_sv_h + offs_dv * stride_sv_d,
-                mask=offs_dv < HEAD_DIM_V, other=0.0)  # fmt: skip
-    if KV_FP8:  # quantize on write, as store_kv: divide by the layer's scale, saturate to the finite range
-        k = tl.minimum(tl.maximum(k.to(tl.float32) / tl.load(k_scale_ptr), -FP8_MAX), FP8_MAX)
-        v = tl.minimum(tl.maximum(v.to(tl.float32) / tl.load(v_scale_ptr), -FP8_MAX), FP8_MAX)
-    k = k.to(k_cache_ptr.dtype.element_ty)
-    v = v.to(v_cache_ptr.dtype.element_ty)
-    k_dst = k_cache_ptr + block * stride_k_b + offset * stride_k_s + kv_head * stride_k_h + offs_d * stride_k_d
-    tl.store(k_dst, k, mask=offs_d < HEAD_DIM)
-    v_dst = v_cache_ptr + block * stride_v_b + offset * stride_v_s + kv_head * stride_v_h + offs_dv * stride_v_d
-    tl.store(v_dst, v, mask=offs_dv < HEAD_DIM_V)
-    return k, v
+    # One token's K and V rows of one KV head into the caches at slot (< 0: none), as store_kv writes them.
+    if slot >= 0:
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        k = tl.load(store_key_ptr + token * stride_sk_t + kv_head * stride_sk_h + offs_d * stride_sk_d,
+                    mask=offs_d < HEAD_DIM)  # fmt: skip
+        offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+        v = tl.load(store_value_ptr + token * stride_sv_t + kv_head * stride_sv_h + offs_dv * stride_sv_d,
+                    mask=offs_dv < HEAD_DIM_V)  # fmt: skip
+        if KV_FP8:  # quantize on write, as store_kv: divide by the layer's scale, saturate to the finite range
+            k = tl.minimum(tl.maximum(k.to(tl.float32) / tl.load(k_scale_ptr), -FP8_MAX), FP8_MAX)
+            v = tl.minimum(tl.maximum(v.to(tl.float32) / tl.load(v_scale_ptr), -FP8_MAX), FP8_MAX)
+        k_dst = k_cache_ptr + block * stride_k_b + offset * stride_k_s + kv_head * stride_k_h + offs_d * stride_k_d
+        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+        v_dst = v_cache_ptr + block * stride_v_b + offset * stride_v_s + kv_head * stride_v_h + offs_dv * stride_v_d
+        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=offs_dv < HEAD_DIM_V)
 
 
 @triton.jit

@@ -85,9 +85,8 @@ def _attend_tile(
     k = k.to(q.dtype)
     v = v.to(q.dtype)
     return _online_softmax_step(
-        acc, m_i, l_i, q, k, v, k_pos, q_pos, qk_scale, softcap, window, USE_SOFTCAP, USE_WINDOW, MASKED, DOT_PRECISION,
-        kv_end,
-    )  # fmt: skip
+        acc, m_i, l_i, q, k, v, k_pos, q_pos, qk_scale, softcap, window, USE_SOFTCAP, USE_WINDOW, MASKED, DOT_PRECISION
+    )
 
 
 @triton.jit
@@ -107,7 +106,6 @@ def _online_softmax_step(
     USE_WINDOW: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    kv_end=None,  # MASKED: keys at or past this position are left out too (and were not loaded)
 ):
     s = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N] fp32
     if USE_SOFTCAP:
@@ -117,8 +115,6 @@ def _online_softmax_step(
         mult = qk_scale  # folded into the exponent below (one FMA per score)
     if MASKED:
         allowed = k_pos[None, :] <= q_pos[:, None]
-        if kv_end is not None:
-            allowed = allowed & (k_pos < kv_end)[None, :]
         if USE_WINDOW:
             allowed = allowed & ((q_pos[:, None] - k_pos[None, :]) < window)
         s = tl.where(allowed, s, float("-inf"))
@@ -131,24 +127,6 @@ def _online_softmax_step(
     p = tl.exp2(s * mult - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # in-place accumulate
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _attend_row(acc, m_i, l_i, q, k_row, v_row, qk_scale, softcap, USE_SOFTCAP: tl.constexpr):
-    # One more key for every row of the program, given as its K and V rows ([HEAD_DIM_PAD], [HEAD_DIM_V_PAD], in the
-    # dtype the tiles convert to): the online-softmax step of _online_softmax_step for a single, unmasked key.
-    s = tl.sum(q.to(tl.float32) * k_row.to(tl.float32)[None, :], 1)  # [BLOCK_M]
-    if USE_SOFTCAP:
-        s = softcap * _tanh(s * qk_scale)
-        mult = 1.0
-    else:
-        mult = qk_scale
-    m_new = tl.maximum(m_i, s * mult)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s * mult - m_new)
-    l_i = l_i * alpha + p
-    acc = acc * alpha[:, None] + p.to(v_row.dtype).to(tl.float32)[:, None] * v_row.to(tl.float32)[None, :]
     return acc, m_new, l_i
 
 
