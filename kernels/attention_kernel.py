@@ -5,6 +5,7 @@ import triton.language as tl
 
 from .attention_tiles import _attend_step_tiles, _attend_tiles
 from .dependent_launch import wait_for_previous_kernel
+from .store_kv import to_cache
 
 
 @triton.jit
@@ -315,13 +316,10 @@ def _store_row(store_key_ptr, store_value_ptr, k_cache_ptr, v_cache_ptr, k_scale
         offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
         v = tl.load(store_value_ptr + token * stride_sv_t + kv_head * stride_sv_h + offs_dv * stride_sv_d,
                     mask=offs_dv < HEAD_DIM_V)  # fmt: skip
-        if KV_FP8:  # quantize on write, as store_kv: divide by the layer's scale, saturate to the finite range
-            k = tl.minimum(tl.maximum(k.to(tl.float32) / tl.load(k_scale_ptr), -FP8_MAX), FP8_MAX)
-            v = tl.minimum(tl.maximum(v.to(tl.float32) / tl.load(v_scale_ptr), -FP8_MAX), FP8_MAX)
         k_dst = k_cache_ptr + block * stride_k_b + offset * stride_k_s + kv_head * stride_k_h + offs_d * stride_k_d
-        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+        tl.store(k_dst, to_cache(k, k_scale_ptr, k_cache_ptr, KV_FP8, FP8_MAX), mask=offs_d < HEAD_DIM)
         v_dst = v_cache_ptr + block * stride_v_b + offset * stride_v_s + kv_head * stride_v_h + offs_dv * stride_v_d
-        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=offs_dv < HEAD_DIM_V)
+        tl.store(v_dst, to_cache(v, v_scale_ptr, v_cache_ptr, KV_FP8, FP8_MAX), mask=offs_dv < HEAD_DIM_V)
 
 
 @triton.jit

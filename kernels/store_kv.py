@@ -21,6 +21,15 @@ from .dependent_launch import check_launch_pdl, launch_options, wait_for_previou
 
 
 @triton.jit
+def to_cache(x, scale_ptr, cache_ptr, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    # x as the cache stores it: fp8 caches divide by the layer's scale and saturate to the format's finite range
+    # (quantize on write); the attention kernel's decode-step store uses this too, so both write the same bits
+    if FP8:
+        x = tl.minimum(tl.maximum(x.to(tl.float32) / tl.load(scale_ptr), -FP8_MAX), FP8_MAX)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _store_kv_kernel(
     key_ptr,  # [T, NUM_KV_HEADS, HEAD_DIM]
     value_ptr,  # [T, NUM_KV_HEADS, HEAD_DIM_V]
@@ -78,9 +87,7 @@ def _store_kv_kernel(
         + offs_h[:, None] * stride_k_cache_h
         + offs_d[None, :] * stride_k_cache_d
     )
-    if FP8:  # quantize on write: divide by the layer's scale, saturate to the format's finite range
-        k = tl.minimum(tl.maximum(k.to(tl.float32) / tl.load(k_scale_ptr), -FP8_MAX), FP8_MAX)
-    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_dst, to_cache(k, k_scale_ptr, k_cache_ptr, FP8, FP8_MAX), mask=mask)
 
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     mask_v = head_mask[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
@@ -95,9 +102,7 @@ def _store_kv_kernel(
         + offs_h[:, None] * stride_v_cache_h
         + offs_dv[None, :] * stride_v_cache_d
     )
-    if FP8:
-        v = tl.minimum(tl.maximum(v.to(tl.float32) / tl.load(v_scale_ptr), -FP8_MAX), FP8_MAX)
-    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask_v)
+    tl.store(v_dst, to_cache(v, v_scale_ptr, v_cache_ptr, FP8, FP8_MAX), mask=mask_v)
 
 
 @launches_on_first_tensor_gpu
