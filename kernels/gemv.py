@@ -8,6 +8,11 @@ kernel's output within a step, so with dependent launch those loads overlap the 
 (``dependent_launch.py``). After the wait it reads the rows, reduces in fp32 and writes them; it signals the next
 kernel after its wait, as every hfpaged kernel does. Not bitwise equal to cuBLAS (another summation order); the
 engine uses it for 16-bit weights only (``EngineConfig.gemv``).
+
+Two neighbours of a projection can run inside it (``hfpaged/model/gemv_fusion.py`` rewrites the compiled layers so):
+an RMSNorm of the input row (``norm_weight``: each program normalizes the whole row it reads anyway, in transformers'
+order of roundings) and a residual add of the output (``residual``: ``residual + y`` rounded as torch adds). Each
+takes one kernel, and its dependent-launch link, out of a one-row step.
 """
 
 from __future__ import annotations
@@ -35,15 +40,21 @@ def _gemv_kernel(
     w_ptr,  # [N, K], unit stride along K
     b_ptr,  # [N] (read when HAS_BIAS)
     y_ptr,  # [ROWS, N], unit stride along N
+    nw_ptr,  # [K] RMSNorm weight (read when NORM)
+    r_ptr,  # [ROWS, N] residual, unit stride along N (read when RESIDUAL)
     N,
     stride_x,
     stride_w,
     stride_y,
+    stride_r,
+    eps,
     ROWS: tl.constexpr,
     K: tl.constexpr,
     K_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr,
+    RESIDUAL: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -59,13 +70,22 @@ def _gemv_kernel(
     )
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    if NORM:  # a weight too: loaded before the wait
+        norm_w = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
     wait_for_previous_kernel(USE_PDL)
+    dtype = y_ptr.dtype.element_ty
     for row in tl.static_range(ROWS):
         x = tl.load(x_ptr + row * stride_x + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        if NORM:  # transformers' RMSNorm: (w * (x * rsqrt(mean(x^2) + eps)).to(dtype)), the product in dtype
+            inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+            x = (norm_w * (x * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         if HAS_BIAS:
             acc += bias
-        tl.store(y_ptr + row * stride_y + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+        if RESIDUAL:  # residual + y, y rounded first as the unfused projection's output is
+            res = tl.load(r_ptr + row * stride_r + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            acc = acc.to(dtype).to(tl.float32) + res
+        tl.store(y_ptr + row * stride_y + offs_n, acc.to(dtype), mask=n_ok)
 
 
 def gemv_block_n(num_features: int, in_features: int, device: torch.device) -> int:
@@ -89,12 +109,22 @@ def gemv_supports(weight: torch.Tensor, bias: torch.Tensor | None = None) -> boo
 
 @launches_on_first_tensor_gpu
 def linear_few_rows(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, launch_pdl: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    launch_pdl: bool = False,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for at most GEMV_MAX_ROWS rows (``x`` is ``[..., K]``) by the GEMV kernel;
     ``gemv_supports(weight, bias)`` must hold and ``x`` must have the weight's dtype. ``launch_pdl``: programmatic
-    dependent launch (``dependent_launch.py``)."""
-    check_devices(x=x, weight=weight, **({} if bias is None else {"bias": bias}))
+    dependent launch (``dependent_launch.py``). ``norm_weight`` (``[K]``, x's dtype): the input is first normalized
+    as transformers' RMSNorm does, with ``norm_eps``; ``residual`` (the output's shape and dtype): returns
+    ``residual + F.linear(...)``."""
+    given = {"bias": bias, "norm_weight": norm_weight, "residual": residual}
+    check_devices(x=x, weight=weight, **{name: t for name, t in given.items() if t is not None})
     check_launch_pdl(launch_pdl, x.device)
     if not gemv_supports(weight, bias):
         raise ValueError(
@@ -115,6 +145,19 @@ def linear_few_rows(
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     out = torch.empty(*x.shape[:-1], num_features, dtype=x.dtype, device=x.device)
+    if norm_weight is not None and (norm_weight.shape != (in_features,) or norm_weight.dtype != x.dtype):
+        raise ValueError(
+            f"norm_weight must be [{in_features}] {x.dtype}, got {list(norm_weight.shape)} {norm_weight.dtype}"
+        )
+    if residual is not None:
+        if residual.shape != out.shape or residual.dtype != x.dtype:
+            raise ValueError(
+                f"residual must be {list(out.shape)} {x.dtype} (the output's shape and dtype), got "
+                f"{list(residual.shape)} {residual.dtype}"
+            )
+        residual = residual.reshape(-1, num_features)
+        if residual.stride(-1) != 1:
+            residual = residual.contiguous()
     if rows.shape[0] == 0:
         return out
     block_n = gemv_block_n(num_features, in_features, x.device)
@@ -123,15 +166,21 @@ def linear_few_rows(
         weight,
         weight if bias is None else bias,
         out,
+        weight if norm_weight is None else norm_weight,
+        out if residual is None else residual,
         num_features,
         rows.stride(0),
         weight.stride(0),
         num_features,
+        0 if residual is None else residual.stride(0),
+        float(norm_eps),
         ROWS=rows.shape[0],
         K=in_features,
         K_PAD=next_power_of_2(in_features),
         BLOCK_N=block_n,
         HAS_BIAS=bias is not None,
+        NORM=norm_weight is not None,
+        RESIDUAL=residual is not None,
         USE_PDL=launch_pdl,
         num_warps=GEMV_NUM_WARPS,
         **launch_options(launch_pdl),

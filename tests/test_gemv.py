@@ -31,6 +31,36 @@ def test_gemv_matches_a_float32_reference(shape, bias):
     torch.testing.assert_close(linear_few_rows(rows, weight, b).float(), ref, atol=2e-3, rtol=2e-3)
 
 
+def _rms_norm(x, weight, eps):
+    """transformers' Llama-family RMSNorm, as its modules compute it."""
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (100, 48), (33, 200), (7, 1000)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("norm,residual", [(True, False), (False, True), (True, True)], ids=["norm", "res", "both"])
+def test_gemv_with_its_norm_and_residual_add_equals_the_unfused_ops(shape, norm, residual):
+    num_features, in_features = shape
+    gen = torch.Generator().manual_seed(in_features)
+    weight = (torch.randn(num_features, in_features, generator=gen) / in_features**0.5).half()
+    bias = torch.randn(num_features, generator=gen).half()
+    norm_weight = (1 + 0.2 * torch.randn(in_features, generator=gen)).half() if norm else None
+    for b in (None, bias):
+        x = (3 * torch.randn(1, 1, in_features, generator=gen)).half()
+        res = torch.randn(1, 1, num_features, generator=gen).half() if residual else None
+        normed = _rms_norm(x, norm_weight, 1e-5) if norm else x
+        expected = torch.nn.functional.linear(normed.float(), weight.float(), None if b is None else b.float()).half()
+        if residual:
+            expected = res + expected  # a float16 add, rounded once
+        out = linear_few_rows(x, weight, b, norm_weight=norm_weight, norm_eps=1e-5, residual=res)
+        assert out.shape == expected.shape and out.dtype == torch.float16
+        # the same roundings in the same order; the sums (norm and dot) in another order than torch's
+        torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+    if norm:  # eps is used: a zero row normalizes to zero with eps > 0
+        zero = torch.zeros(1, in_features).half()
+        assert linear_few_rows(zero, weight, norm_weight=norm_weight, norm_eps=1e-5).abs().max() == 0
+
+
 def test_gemv_refuses_what_it_does_not_take():
     weight = torch.randn(16, 32).half()
     with pytest.raises(ValueError, match="at most"):
@@ -49,6 +79,15 @@ def test_gemv_refuses_what_it_does_not_take():
         linear_few_rows(torch.zeros(1, MAX_K_PAD + 1).half(), wide)
     with pytest.raises(ValueError, match="launch_pdl=True needs a CUDA GPU"):
         linear_few_rows(torch.randn(1, 32).half(), weight, launch_pdl=True)
+    x = torch.randn(1, 32).half()
+    with pytest.raises(ValueError, match=r"norm_weight must be \[32\] torch.float16, got \[16\]"):
+        linear_few_rows(x, weight, norm_weight=torch.ones(16).half())
+    with pytest.raises(ValueError, match=r"norm_weight must be \[32\] torch.float16, got \[32\] torch.float32"):
+        linear_few_rows(x, weight, norm_weight=torch.ones(32))
+    with pytest.raises(ValueError, match=r"residual must be \[1, 16\] torch.float16 .*got \[1, 32\]"):
+        linear_few_rows(x, weight, residual=torch.ones(1, 32).half())
+    with pytest.raises(ValueError, match=r"residual must be .*got \[1, 16\] torch.float32"):
+        linear_few_rows(x, weight, residual=torch.ones(1, 16))
 
 
 @pytest.fixture

@@ -94,7 +94,8 @@ def test_batch1_graphs_with_the_gemv_next_to_the_yardstick(arch, compile, monkey
           f"cuBLAS {shares[False]:.0%}; yardstick (stock eager vs sdpa) {yard:.0%}")  # fmt: skip
 
 
-def test_weights_changed_in_place_after_capture_reach_the_gemv():
+@pytest.mark.parametrize("what", ["projections", "norms"])
+def test_weights_changed_in_place_after_capture_reach_the_gemv(what):
     model = make_model("llama", dtype=torch.bfloat16).cuda()
     prompt = random_prompts([9], seed=3)
     hfpaged.patch(model, num_blocks=64, block_size=8, max_num_seqs=4)
@@ -102,8 +103,12 @@ def test_weights_changed_in_place_after_capture_reach_the_gemv():
     model.generate_many(prompt, max_new_tokens=8, do_sample=False)  # graphs captured with the old values
     with torch.no_grad():  # attention and MLP outputs zero: the residual stream is the embedding, exactly
         for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
+            if what == "projections":
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+            else:  # the norms run inside the compiled layers' GEMVs (gemv_fusion.py): zero rows in, zero out
+                layer.input_layernorm.weight.zero_()
+                layer.post_attention_layernorm.weight.zero_()
     got = model.generate_many(prompt, max_new_tokens=8, do_sample=False)[0].token_ids
     hfpaged.unpatch(model)
     assert got == reference_generate(model, prompt, max_new_tokens=8, do_sample=False)[0]

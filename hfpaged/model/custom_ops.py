@@ -37,7 +37,7 @@ _sizes_lock = threading.RLock()  # one compiled forward at a time sets and resto
 
 
 def register_custom_ops() -> None:
-    """Register ``hfpaged::paged_attention`` (it stores the step's K/V too) and ``hfpaged::gemv`` (once per
+    """Register ``hfpaged::paged_attention`` (it stores the step's K/V too), ``hfpaged::gemv`` and ``hfpaged::gemv_fused`` (once per
     process)."""
     global _registered
     if _registered:
@@ -114,6 +114,28 @@ def register_custom_ops() -> None:
 
     @gemv_op.register_fake
     def _gemv_fake(x, weight, bias, launch_pdl) -> torch.Tensor:
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    # the GEMV with an RMSNorm of its input and/or a residual add of its output (gemv_fusion.py puts it in the
+    # compiled layers); norm_eps: the 0-d CPU tensor dynamo made of a float, else norm_eps_value
+    @torch.library.custom_op("hfpaged::gemv_fused", mutates_args=())
+    def gemv_fused_op(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        launch_pdl: bool,
+        norm_weight: torch.Tensor | None,
+        norm_eps: torch.Tensor | None,
+        norm_eps_value: float,
+        residual: torch.Tensor | None,
+    ) -> torch.Tensor:
+        eps = norm_eps_value if norm_eps is None else float(norm_eps)
+        return gemv.linear_few_rows(
+            x, weight, bias, launch_pdl=launch_pdl, norm_weight=norm_weight, norm_eps=eps, residual=residual
+        )
+
+    @gemv_fused_op.register_fake
+    def _gemv_fused_fake(x, weight, bias, launch_pdl, norm_weight, norm_eps, norm_eps_value, residual):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
     _registered = True
@@ -263,7 +285,10 @@ def inductor_options(launch_pdl: bool) -> dict:
     1.022 -> 0.987 ms/token, batch 256 +3-6%, Llama-3.2-1B -1.4% / flat, the same greedy tokens); with ``launch_pdl``
     its kernels use programmatic dependent launch too (each waits for the kernel before it only where it reads what
     that kernel wrote)."""
+    from .gemv_fusion import inductor_pass
+
     options = {"combo_kernels": True} if hasattr(torch._inductor.config, "combo_kernels") else {}
+    options.update(inductor_pass())  # one-row projections take their norms and residual adds
     if launch_pdl and hasattr(torch._inductor.config.triton, "enable_pdl"):
         options["triton.enable_pdl"] = True
     return options
