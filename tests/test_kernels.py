@@ -727,3 +727,45 @@ def test_one_query_decode_map_equals_the_searched_map(group):
     assert not chosen(9, 8, 2)  # a sequence with two query tokens
     assert not chosen(7, 8, 1)  # a sequence with none
     assert not chosen(16, 8, 4)
+
+
+@pytest.mark.parametrize("cache", ["fp32", "fp16_window_softcap", "e4m3"])
+def test_large_mixed_steps_attend_their_decode_rows_in_a_launch_of_their_own(cache, monkeypatch):
+    # Mixed steps of >= MIXED_DECODE_MIN_TOKENS tokens (lowered here) launch twice: the sequences of one query token
+    # with the decode tiles (seq_filter 1), then the others with the prompt tiles (seq_filter 2). Each launch writes
+    # exactly its own rows (the other rows keep their NaN poison), and together they equal the reference.
+    from hfpaged.kernels import attention_config as ac
+    from hfpaged.kernels.paged_attention import config_for_batch
+
+    monkeypatch.setattr(ac, "MIXED_DECODE_MIN_TOKENS", 16)
+    gen = torch.Generator().manual_seed(7)
+    seq_lens = torch.randint(1, 90, (9,), generator=gen).tolist()
+    # decode rows, prompts, chunks after a context, an empty sequence, a one-token chunk (also a decode row)
+    q_lens = [1, seq_lens[1], max(2, seq_lens[2] // 3), 1, 0, seq_lens[5], 1, 1, max(2, seq_lens[8] // 2)]
+    seq_lens = [max(s, q) for s, q in zip(seq_lens, q_lens)]
+    dtype = torch.float16 if cache == "fp16_window_softcap" else torch.float32
+    shape = dict(num_heads=4, num_kv_heads=2, head_dim=64, block_size=8)
+    if cache == "e4m3":
+        from test_fp8_kernels import fp8_batch
+
+        batch, _ = fp8_batch(q_lens, seq_lens, torch.float8_e4m3fn, dtype, **shape)
+    else:
+        batch = make_batch(q_lens, seq_lens, dtype=dtype, seed=3, **shape)
+    window, softcap = (20, 3.0) if cache == "fp16_window_softcap" else (None, None)
+    kwargs = dict(scale=64**-0.5, sliding_window=window, softcap=softcap)
+    num_tokens = sum(q_lens)
+    rows_config, config = config_for_batch(
+        num_tokens, len(q_lens), 4, dtype, batch["k_cache"], batch["v_cache"], max(q_lens), max(seq_lens)
+    )
+    assert (rows_config.seq_filter, rows_config.one_query, rows_config.num_splits, config.seq_filter) == (1, True, 1, 2)
+    ref = paged_attention_reference(**batch, **kwargs)
+    out = paged_attention(**batch, **kwargs, max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens))
+    assert_close(out, ref, dtype)
+    one = torch.tensor([q for q in q_lens for _ in range(q)]) == 1  # the rows of one-query sequences
+    for launch, mine in ((rows_config, one), (config, ~one)):
+        part = paged_attention_with_config(**batch, **kwargs, config=launch, out=poisoned_out(batch))
+        assert not part[mine].isnan().any() and part[~mine].isnan().all()
+        assert_close(part[mine], ref[mine], dtype)
+    monkeypatch.setattr(ac, "MIXED_DECODE_MIN_TOKENS", num_tokens + 1)  # below the threshold: one launch
+    assert len(config_for_batch(num_tokens, len(q_lens), 4, dtype, batch["k_cache"], batch["v_cache"], max(q_lens),
+                                max(seq_lens))) == 1  # fmt: skip

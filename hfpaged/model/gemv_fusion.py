@@ -191,9 +191,9 @@ if CustomGraphPass is not None:
         cache keys) is this file's hash, so a changed pass never reuses graphs compiled by another."""
 
         def __call__(self, graph: fx.Graph) -> None:
-            if any(_is(n, torch.ops.hfpaged.gemv.default) for n in graph.nodes):
-                if fuse_gemv_neighbours(graph):
-                    graph.lint()
+            has_gemv = any(_is(n, torch.ops.hfpaged.gemv.default) for n in graph.nodes)
+            if has_gemv and fuse_gemv_neighbours(graph):
+                graph.lint()
 
         def uuid(self):
             with open(__file__, "rb") as source:
