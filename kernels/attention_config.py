@@ -55,9 +55,6 @@ class AttentionConfig:
     min_split_tiles: int = 1
     split_target_programs: int = 0  # > 0: splits sized on the device so the batch's keys make ~this many programs
     one_query: bool = False  # every sequence has exactly one query token (program i is sequence i: no lookup)
-    # which sequences the launch attends: 0 all; 1 only those of one query token (program i = sequence i, its token
-    # from cu_seqlens_q; with one_query); 2 only the others (see decode_rows_config)
-    seq_filter: int = 0
 
 
 def _sm_count(device: torch.device) -> int:
@@ -82,25 +79,6 @@ def split_count(active_programs: int, max_seqlen_k: int, sm_count: int, programs
         return 1
     splits = min(cdiv(target, max(active_programs, 1)), max_seqlen_k // MIN_KEYS_PER_SPLIT, MAX_SPLITS)
     return max(1, splits)
-
-
-# Mixed steps (prompt chunks beside decode rows) of at least this many tokens attend in two launches: the sequences of
-# one query token with the decode tiles, the others with the prompt tiles. In one launch a decode row takes a whole
-# prompt-tile program (128 rows, 2 of them real for Qwen3's groups): H100, session 22, Qwen3-0.6B chat, a decode row
-# cost 27 us of attention per step in a mixed step against 15 us in a decode step.
-MIXED_DECODE_MIN_TOKENS = 1024
-
-
-def decode_rows_config(
-    config: AttentionConfig, *, num_tokens: int, num_seqs: int, max_seqlen_q: int, group: int, **shape
-) -> AttentionConfig | None:
-    """The launch for the one-query-token sequences of a mixed step whose ``config`` has prompt tiles, or None where
-    the step attends in one launch (decode-like, fewer than MIXED_DECODE_MIN_TOKENS tokens, one sequence).
-    ``shape``: choose_config's other arguments."""
-    if decode_like(max_seqlen_q, group) or num_tokens < MIXED_DECODE_MIN_TOKENS or num_seqs < 2:
-        return None
-    rows = choose_config(num_tokens=num_seqs, num_seqs=num_seqs, max_seqlen_q=1, group=group, **shape)
-    return AttentionConfig(rows.block_m, rows.tile_n, rows.num_warps, rows.num_stages, one_query=True, seq_filter=1)
 
 
 def decode_like(max_seqlen_q: int, group: int) -> bool:

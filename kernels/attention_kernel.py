@@ -113,7 +113,6 @@ def _paged_attention_kernel(
     FP8_DOT_F16: tl.constexpr = True,  # fp8 caches with bf16 queries: dots in fp16 (False: upcast K/V to bf16)
     USE_PDL: tl.constexpr = False,  # programmatic dependent launch (dependent_launch.py)
     ONE_QUERY: tl.constexpr = False,  # one query token per sequence; program i is sequence i (AttentionConfig.one_query)
-    SEQ_FILTER: tl.constexpr = 0,  # 1: only sequences of one query token (with ONE_QUERY); 2: only the others
     STORE_KV: tl.constexpr = False,  # one query token per sequence: write its K/V row into the caches first
     FP8_MAX: tl.constexpr = 0.0,  # STORE_KV into fp8 caches: the format's largest finite value
 ):
@@ -125,22 +124,13 @@ def _paged_attention_kernel(
     # kernel; q and the caches are read, and anything written, after the wait
     if ONE_QUERY:  # every sequence has one query token (the caller guarantees it): program i is sequence i
         seq = program
-        if SEQ_FILTER == 1:  # a mixed step's sequences of one query token (the others exit): its token from cu
-            q_start = tl.load(cu_seqlens_q_ptr + program)
-            q_end = tl.load(cu_seqlens_q_ptr + program + 1)
-            if q_end - q_start != 1:
-                return
-        else:
-            q_start = program
-            q_end = program + 1
+        q_start = program
+        q_end = program + 1
         seq_len = tl.load(seq_lens_ptr + program)
     else:
         seq, q_start, q_end, seq_len = _locate_sequence(
             cu_seqlens_q_ptr, seq_lens_ptr, program, num_seqs, BLOCK_Q, SEARCH_BLOCK
         )
-        if SEQ_FILTER == 2:  # noqa: SIM102 (compile-time condition, then run-time)
-            if q_end - q_start == 1:  # another launch attends the sequences of one query token
-                return
     if STORE_KV:
         slot = tl.load(slot_mapping_ptr + q_start).to(tl.int64)  # a step input too
     q_len = q_end - q_start

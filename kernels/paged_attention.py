@@ -29,8 +29,6 @@ T // BLOCK_Q + B programs in all (exactly T when BLOCK_Q == 1).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -46,7 +44,7 @@ from ._checks import (
     launches_on_first_tensor_gpu,
     next_power_of_2,
 )
-from .attention_config import AttentionConfig, choose_config, decode_rows_config
+from .attention_config import AttentionConfig, choose_config
 from .attention_kernel import _paged_attention_kernel
 from .context_rows import (
     context_capacity,
@@ -120,24 +118,21 @@ def config_for_batch(
     v_cache: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
-) -> list[AttentionConfig]:
-    """The tile configs ``paged_attention`` launches, in order, for a batch of this shape (the warm-up compiles by
-    them too): one, or for a large mixed step the decode rows' and then the other sequences' (``seq_filter`` 2)."""
+) -> AttentionConfig:
+    """The tile config ``paged_attention`` launches for a batch of this shape (the warm-up compiles by it too)."""
     num_kv_heads = k_cache.shape[2]
-    shape = dict(
+    return choose_config(
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
         num_kv_heads=num_kv_heads,
+        group=num_heads // num_kv_heads,
         head_dim_pad=next_power_of_2(max(k_cache.shape[3], v_cache.shape[3])),
         elem_size=q_dtype.itemsize,
         kv_elem_size=k_cache.element_size(),
+        max_seqlen_q=max(1, max_seqlen_q),
         max_seqlen_k=max_seqlen_k,
         device=k_cache.device,
     )
-    sizes = dict(
-        num_tokens=num_tokens, num_seqs=num_seqs, max_seqlen_q=max(1, max_seqlen_q), group=num_heads // num_kv_heads
-    )
-    config = choose_config(**sizes, **shape)
-    rows = decode_rows_config(config, **sizes, **shape)
-    return [config] if rows is None else [rows, dataclasses.replace(config, seq_filter=2)]
 
 
 def _step_descriptor(t: torch.Tensor, tile_n: int) -> TensorDescriptor:
@@ -272,7 +267,6 @@ def paged_attention_with_config(
         CTX_KV=ctx_offsets is not None,
         USE_PDL=launch_pdl,
         ONE_QUERY=config.one_query,
-        SEQ_FILTER=config.seq_filter,
         STORE_KV=store is not None,
         FP8_MAX=FP8_MAX.get(k_cache.dtype, 0.0),
         num_warps=config.num_warps,
@@ -349,9 +343,7 @@ def paged_attention(
     for name, hint in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if not isinstance(hint, int) or isinstance(hint, bool) or hint < 0:
             raise TypeError(f"{name} must be a non-negative host int, got {hint!r}")
-    *rows, config = config_for_batch(
-        num_tokens, num_seqs, num_heads, q.dtype, k_cache, v_cache, max_seqlen_q, max_seqlen_k
-    )
+    config = config_for_batch(num_tokens, num_seqs, num_heads, q.dtype, k_cache, v_cache, max_seqlen_q, max_seqlen_k)
     if (key is None) != (value is None):
         raise ValueError("key and value go together: give both or neither")
     store = None
@@ -376,15 +368,20 @@ def paged_attention(
         context_rows = context_capacity(
             num_tokens, max_seqlen_k, k_cache, v_cache, config.tile_n, CONTEXT_MAX_BYTES, rows_dtype
         )
-    tensors = (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
-    options = dict(scale=scale, sliding_window=sliding_window, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
-    out = paged_attention_with_config(*tensors, config=rows[0], launch_pdl=launch_pdl, **options) if rows else None
     return paged_attention_with_config(
-        *tensors,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        scale=scale,
         config=config,
-        out=out,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        k_scale=k_scale,
+        v_scale=v_scale,
         launch_pdl=launch_pdl,
-        **options,
         step_kv=(key, value) if use_step_kv else None,
         context_rows=context_rows,
         context_min_q=CONTEXT_MIN_Q,

@@ -70,7 +70,7 @@ def warm_up(
     # decode batches whose size picks a tile of its own (attention_config.MID_BATCH_SPLITS): one batch per variant
     variants = set()
     for num_seqs in range(1, max_num_seqs + 1):
-        (config,) = config_for_batch(num_seqs, num_seqs, num_heads, dtype, k_cache, v_cache, 1, context_for(1))
+        config = config_for_batch(num_seqs, num_seqs, num_heads, dtype, k_cache, v_cache, 1, context_for(1))
         key = (config.tile_n, config.num_warps, config.num_stages, config.num_splits > 1, search_block(num_seqs))
         if key not in variants:
             variants.add(key)

@@ -106,35 +106,3 @@ def test_benchmark_parity_report_is_exact_in_float32():
     report = greedy_parity(model, prompts, new_tokens=12, stop_at_eos=True)
     assert report["prompts"] == 4 and report["share_all_match"] == 1.0
     assert report["mean_matching_prefix"] < 12  # some prompt stopped on eos before 12 tokens
-
-
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])
-def test_mixed_steps_in_two_launches_stay_exact(arch, monkeypatch):
-    # Large mixed steps attend their sequences of one query token in a launch of their own with the decode tiles
-    # (kernels/attention_config.py, MIXED_DECODE_MIN_TOKENS: lowered here so that this test's mixed steps take it):
-    # greedy output stays stock generate's with chunked prefill, preemption and eos (gemma2: window and softcap).
-    import importlib
-
-    from hfpaged.kernels import attention_config
-
-    pa = importlib.import_module("hfpaged.kernels.paged_attention")  # the module (the package exports the function)
-
-    monkeypatch.setattr(attention_config, "MIXED_DECODE_MIN_TOKENS", 8)
-    split_steps = []
-    original = pa.decode_rows_config
-
-    def spy(*args, **kwargs):
-        config = original(*args, **kwargs)
-        split_steps.append(config is not None)
-        return config
-
-    monkeypatch.setattr(pa, "decode_rows_config", spy)
-    model = make_model(arch)
-    prompts = random_prompts(LENGTHS, seed=3)
-    eos = pick_eos(model, prompts)
-    expected = reference_generate(model, prompts, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos)
-    hfpaged.patch(model, num_blocks=30, block_size=4, max_num_seqs=4, max_num_batched_tokens=48,
-                  attention_backend="triton")  # fmt: skip
-    results = model.generate_many(prompts, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos)
-    assert [r.token_ids for r in results] == expected
-    assert any(split_steps) and hfpaged.stats(model)["num_preemptions"] > 0
