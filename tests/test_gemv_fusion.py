@@ -139,18 +139,3 @@ def test_compiled_batch1_decode_through_the_fused_gemv_equals_stock(arch, fuse, 
     hfpaged.unpatch(model)
     changed = reference_generate(model, prompts, max_new_tokens=6, do_sample=False)
     assert changed != expected and generated == changed
-
-
-def test_the_warm_up_compiles_the_fused_variants_only_for_compiled_layers(fused_calls, monkeypatch):
-    model = make_model("llama", dtype=torch.float16)
-    hfpaged.patch(model, num_blocks=32, block_size=4, gemv=True, fuse_projections=True)
-    projections = model._hfpaged.fused_projections
-    shapes = {tuple(p.weight.shape) for p in (*(s[2] for s in projections.singles), *projections.groups)}
-    for fused, variants in ((False, {(False, False)}), (True, {(False, False), (True, False), (False, True)})):
-        fused_calls.clear()
-        projections.warm_up_gemv(fused=fused)
-        assert set(fused_calls) == variants and len(fused_calls) == len(shapes) * len(variants)
-    monkeypatch.setattr(gemv_fusion, "ENABLED", False)  # no pass: nothing fused to compile
-    fused_calls.clear()
-    projections.warm_up_gemv(fused=True)
-    assert set(fused_calls) == {(False, False)}

@@ -220,39 +220,20 @@ class FusedProjections:
         self.gemv = launch_pdl if self.num_gemv else None  # e.g. float32 weights: nothing takes it
         return self.num_gemv
 
-    def warm_up_gemv(self, fused: bool = False) -> None:
-        """Compile the GEMV's variants (one per distinct weight shape) before any CUDA graph capture, the compiles
-        overlapping in threads. ``fused`` (compiled layers, whose pass ``gemv_fusion.py`` gives the GEMVs their
-        neighbours): also each shape's variants reading an RMSNorm and adding a residual."""
+    def warm_up_gemv(self) -> None:
+        """Compile the GEMV's variants (one per distinct weight shape) before any CUDA graph capture."""
         from ..kernels.gemv import linear_few_rows
-        from ..kernels.warmup import run_all
-        from . import gemv_fusion
 
         if self.gemv is None:
             return
-        seen, todo = set(), []
+        seen = set()
         params = [(m.weight, m.bias) for _, _, m in self.singles]
         params += [(g.weight, g.bias) for g in self.groups if g.gemv is not None]
-        neighbours = ((False, False), (True, False), (False, True)) if fused and gemv_fusion.ENABLED else ((False, False),)
         for weight, bias in params:
-            for norm, residual in neighbours:
-                key = (tuple(weight.shape), weight.stride(0), weight.dtype, weight.device, bias is None, norm, residual)
-                if key not in seen:
-                    seen.add(key)
-                    todo.append((weight, bias, norm, residual))
-
-        def run(weight, bias, norm, residual):
-            linear_few_rows(
-                weight.new_zeros(1, weight.shape[1]),
-                weight,
-                bias,
-                launch_pdl=self.gemv,
-                norm_weight=weight.new_ones(weight.shape[1]) if norm else None,
-                residual=weight.new_zeros(1, weight.shape[0]) if residual else None,
-            )
-
-        if todo:
-            run_all(run, todo, todo[0][0].device)
+            key = (tuple(weight.shape), weight.stride(0), weight.dtype, weight.device, bias is None)
+            if key not in seen:
+                seen.add(key)
+                linear_few_rows(weight.new_zeros(1, weight.shape[1]), weight, bias, launch_pdl=self.gemv)
 
     @property
     def num_gemv(self) -> int:

@@ -252,7 +252,7 @@ class ModelRunner:
                 kv_scales=None if layer_scales is None else (layer_scales[0:1], layer_scales[1:2]),
                 launch_pdl=self.state.dependent_launch,
             )
-        self.state.fused_projections.warm_up_gemv(fused=self.compile)
+        self.state.fused_projections.warm_up_gemv()
         torch.cuda.synchronize(self.device)
         self.warmup_seconds = time.perf_counter() - start
 
