@@ -139,3 +139,18 @@ def test_compiled_batch1_decode_through_the_fused_gemv_equals_stock(arch, fuse, 
     hfpaged.unpatch(model)
     changed = reference_generate(model, prompts, max_new_tokens=6, do_sample=False)
     assert changed != expected and generated == changed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,neighbours", [("opt", {(False, True)}), ("gemma2", set())])
+def test_other_architectures_take_what_matches_and_stay_exact(arch, neighbours, fused_calls):
+    # OPT: LayerNorms (not matched), residual adds of its biased projections (fused); Gemma2: its norms are not the
+    # Llama-family one and its residual adds add norm outputs (nothing fused). Greedy equals stock either way.
+    model = make_model(arch, dtype=torch.float16)
+    prompts = random_prompts([7], seed=5)
+    expected = reference_generate(model, prompts, max_new_tokens=6, do_sample=False)
+    options = dict(attention_backend="triton", gemv=True, fuse_projections=True, compile_cache_dir="")
+    hfpaged.patch(model, num_blocks=64, block_size=4, async_scheduling=False, compile=True, **options)
+    generated, _ = _decode_with(model, hfpaged.Engine(model).core.runner, prompts, 6)
+    assert generated == expected
+    assert {call for call in fused_calls if call != (False, False)} == neighbours
