@@ -8,6 +8,7 @@ import hfpaged
 from hfpaged.core.config import EngineConfig
 from hfpaged.kernels.dependent_launch import dependent_launch_supported, launch_options
 from hfpaged.model.custom_ops import inductor_options
+from hfpaged.model.gemv_fusion import GemvFusionPass
 
 
 def test_setting_values_are_checked():
@@ -20,9 +21,11 @@ def test_not_supported_off_cuda():
     assert not dependent_launch_supported(torch.device("cpu"))
     assert launch_options(False) == {} and launch_options(True) == {"launch_pdl": True}
     combo = {"combo_kernels": True} if hasattr(torch._inductor.config, "combo_kernels") else {}
-    assert inductor_options(False) == combo
     has_pdl = hasattr(torch._inductor.config.triton, "enable_pdl")
-    assert inductor_options(True) == ({**combo, "triton.enable_pdl": True} if has_pdl else combo)
+    for pdl, expected in ((False, combo), (True, {**combo, "triton.enable_pdl": True} if has_pdl else combo)):
+        options = inductor_options(pdl)
+        fusion = options.pop("post_grad_custom_post_pass")  # the GEMV's neighbours (gemv_fusion.py)
+        assert options == expected and isinstance(fusion, GemvFusionPass)
 
 
 def test_kernels_refuse_launch_pdl_where_unsupported():

@@ -154,3 +154,47 @@ def test_other_architectures_take_what_matches_and_stay_exact(arch, neighbours, 
     generated, _ = _decode_with(model, hfpaged.Engine(model).core.runner, prompts, 6)
     assert generated == expected
     assert {call for call in fused_calls if call != (False, False)} == neighbours
+
+
+@pytest.mark.slow
+def test_fused_gemv_steps_under_preemption_swap_threads_and_changed_weights(fused_calls):
+    # The engine's own path: graphs "replayed" eagerly on the CPU (test_graph_padding.replay_eagerly) around the
+    # compiled layers, so one-sequence steps run the batch-1 graph's forward, GEMVs fused. A pool too small for the
+    # batch (recompute, then swap preemption), callers in threads, norm and projection weights changed in place:
+    # greedy equals stock generate throughout.
+    import threading
+
+    from test_graph_padding import replay_eagerly
+
+    model = make_model("llama", dtype=torch.float16, seed=3)
+    prompts = random_prompts([3, 17, 9, 33, 5, 24, 12, 40], seed=12)
+    expected = reference_generate(model, prompts, max_new_tokens=12, do_sample=False)
+    options = dict(num_blocks=20, block_size=4, max_num_seqs=6, max_num_batched_tokens=32, gemv=True, compile=True,
+                   compile_cache_dir="", attention_backend="triton", fuse_projections=True)  # fmt: skip
+    for mode in ("recompute", "swap"):
+        hfpaged.patch(model, **options, preemption_mode=mode)
+        replay_eagerly(model)
+        got = [r.token_ids for r in model.generate_many(prompts, max_new_tokens=12, do_sample=False)]
+        assert got == expected, mode
+        assert hfpaged.stats(model)["num_preemptions"] > 0 and (True, False) in fused_calls, mode
+        fused_calls.clear()
+    results = [None] * 3
+
+    def caller(i):
+        results[i] = [r.token_ids for r in model.generate_many(prompts[i::3], max_new_tokens=12, do_sample=False)]
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert results == [expected[i::3] for i in range(3)]
+    with torch.no_grad():  # changed in place while patched (layers compiled): the next call uses the new values
+        model.model.layers[0].post_attention_layernorm.weight.mul_(-1.5)
+        model.model.layers[1].self_attn.o_proj.weight.mul_(2.0)
+    fused_calls.clear()
+    got = model.generate_many(prompts[:1], max_new_tokens=12, do_sample=False)[0].token_ids
+    assert (True, False) in fused_calls and (False, True) in fused_calls
+    hfpaged.unpatch(model)
+    changed = reference_generate(model, prompts[:1], max_new_tokens=12, do_sample=False)[0]
+    assert changed != expected[0] and got == changed
