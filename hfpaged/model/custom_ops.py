@@ -37,8 +37,8 @@ _sizes_lock = threading.RLock()  # one compiled forward at a time sets and resto
 
 
 def register_custom_ops() -> None:
-    """Register ``hfpaged::paged_attention`` (it stores the step's K/V too), ``hfpaged::gemv`` and ``hfpaged::gemv_fused`` (once per
-    process)."""
+    """Register ``hfpaged::paged_attention`` (it stores the step's K/V too), ``hfpaged::gemv`` and
+    ``hfpaged::gemv_fused`` (once per process)."""
     global _registered
     if _registered:
         return

@@ -19,6 +19,7 @@ to cuBLAS either: ``gemv=False`` with ``fuse_projections=False`` stays the exact
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import torch
@@ -97,12 +98,14 @@ def _eps_source(eps):
     return None
 
 
-def _gemv_args(node: fx.Node) -> list:
-    """``[x, weight, bias, launch_pdl, norm_weight, norm_eps, norm_eps_value, residual]`` of a GEMV node."""
-    args = list(node.args) + [node.kwargs[k] for k in list(node.kwargs)]
+def _gemv_args(node: fx.Node) -> list | None:
+    """``[x, weight, bias, launch_pdl, norm_weight, norm_eps, norm_eps_value, residual]`` of a GEMV node (None for a
+    call with keyword arguments, which this pass leaves alone: post-grad graphs pass them by position)."""
+    if node.kwargs:
+        return None
     if node.target is torch.ops.hfpaged.gemv.default:
-        return args[:4] + [None, None, 0.0, None]
-    return args
+        return list(node.args) + [None, None, 0.0, None]
+    return list(node.args)
 
 
 def _fused(graph: fx.Graph, before: fx.Node, args: list, like: fx.Node) -> fx.Node:
@@ -136,16 +139,14 @@ def fuse_gemv_neighbours(graph: fx.Graph) -> int:
     gemvs = (gemv, torch.ops.hfpaged.gemv_fused.default)
     fused = 0
     for node in list(graph.nodes):
-        users = list(node.users)
-        if not users or not all(_is(u, *gemvs) and _gemv_args(u)[0] is node and _gemv_args(u)[4] is None
-                                for u in users):  # fmt: skip
+        users = [(u, _gemv_args(u) if _is(u, *gemvs) else None) for u in node.users]
+        if not users or not all(args is not None and args[0] is node and args[4] is None for _, args in users):
             continue
         match = match_rms_norm(node)
         if match is None:
             continue
         hidden, weight, eps = match
-        for user in users:
-            args = _gemv_args(user)
+        for user, args in users:
             args[0], args[4] = hidden, weight
             args[5], args[6] = (None, eps) if isinstance(eps, float) else (eps, 0.0)
             new = _fused(graph, user, args, user)
@@ -158,7 +159,8 @@ def fuse_gemv_neighbours(graph: fx.Graph) -> int:
             continue
         out = _val(node)
         for projected, residual in (node.args, node.args[::-1]):
-            if not _is(projected, *gemvs) or len(projected.users) != 1 or _gemv_args(projected)[7] is not None:
+            args = _gemv_args(projected) if _is(projected, *gemvs) and len(projected.users) == 1 else None
+            if args is None or args[7] is not None:
                 continue
             pval, rval = _val(projected), _val(residual)
             if not all(isinstance(v, torch.Tensor) for v in (out, pval, rval)):
@@ -167,7 +169,6 @@ def fuse_gemv_neighbours(graph: fx.Graph) -> int:
                 continue
             if pval.device != rval.device:
                 continue
-            args = _gemv_args(projected)
             args[7] = residual
             new = _fused(graph, node, args, node)
             node.replace_all_uses_with(new)
@@ -196,8 +197,13 @@ if CustomGraphPass is not None:
                 graph.lint()
 
         def uuid(self):
-            with open(__file__, "rb") as source:
-                return hashlib.sha256(source.read()).hexdigest()
+            return _source_hash()
+
+
+@functools.cache
+def _source_hash() -> str:
+    with open(__file__, "rb") as source:
+        return hashlib.sha256(source.read()).hexdigest()
 
 
 def inductor_pass() -> dict:
