@@ -97,3 +97,21 @@ def reference_generate(model, prompts: list[list[int]], **kwargs) -> list[list[i
             seq = model.generate(torch.tensor([p], device=model.device), **kwargs)
             out.append(seq[0, len(p) :].tolist())
     return out
+
+
+def generate_in_threads(model, prompts: list[list[int]], callers: int = 3, timeout: float = 600, **kwargs):
+    """``generate_many`` from ``callers`` threads at once, caller i on ``prompts[i::callers]``: each caller's token
+    ids, in caller order."""
+    import threading
+
+    results = [None] * callers
+
+    def caller(i):
+        results[i] = [r.token_ids for r in model.generate_many(prompts[i::callers], **kwargs)]
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(callers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    return results

@@ -4,7 +4,7 @@ routing (one-row steps only, every projection and the LM head, nothing left behi
 
 import pytest
 import torch
-from models import make_model, random_prompts, reference_generate
+from models import generate_in_threads, make_model, random_prompts, reference_generate
 
 import hfpaged
 from hfpaged.kernels import gemv as gemv_kernels
@@ -174,8 +174,6 @@ def test_one_row_steps_under_preemption_swap_threads_and_changed_weights(gemv_ca
     # A pool too small for the batch: the scheduler preempts (recompute, then swap) and the steps that hold a single
     # sequence take the GEMV; callers in threads share steps; weights changed in place reach the GEMV at the next
     # call. Tokens equal stock generate in every case.
-    import threading
-
     model = make_model("llama", dtype=torch.float16, seed=3)
     prompts = random_prompts([3, 17, 9, 33, 5, 24, 12, 40], seed=12)
     expected = reference_generate(model, prompts, max_new_tokens=12, do_sample=False)
@@ -186,16 +184,7 @@ def test_one_row_steps_under_preemption_swap_threads_and_changed_weights(gemv_ca
         assert got == expected, mode
         assert hfpaged.stats(model)["num_preemptions"] > 0 and gemv_calls, mode
         gemv_calls.clear()
-    results = [None] * 3
-
-    def caller(i):
-        results[i] = [r.token_ids for r in model.generate_many(prompts[i::3], max_new_tokens=12, do_sample=False)]
-
-    threads = [threading.Thread(target=caller, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    results = generate_in_threads(model, prompts, timeout=300, max_new_tokens=12, do_sample=False)
     assert results == [expected[i::3] for i in range(3)] and gemv_calls
     with torch.no_grad():  # changed in place while patched: the next call must use the new values
         model.model.layers[0].mlp.down_proj.weight.mul_(-1.5)

@@ -4,7 +4,7 @@ through it against stock generate, also with norm weights changed in place (CPU,
 
 import pytest
 import torch
-from models import make_model, random_prompts, reference_generate
+from models import generate_in_threads, make_model, random_prompts, reference_generate
 from test_compiled import _decode_with
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -113,9 +113,10 @@ def fused_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch,fuse", [("llama", True), ("qwen3", False)], ids=["llama_fused", "qwen3_unfused"])
-def test_compiled_batch1_decode_through_the_fused_gemv_equals_stock(arch, fuse, fused_calls):
+def _compiled_batch1_decode(arch: str, fuse: bool):
+    """A float16 ``arch`` model patched with compiled layers and the GEMV (fused projections or not), one prompt
+    decoded through the compiled forward (test_compiled._decode_with), checked against stock generate: (model,
+    prompts, stock tokens)."""
     model = make_model(arch, dtype=torch.float16)
     prompts = random_prompts([7], seed=5)
     expected = reference_generate(model, prompts, max_new_tokens=6, do_sample=False)
@@ -123,6 +124,13 @@ def test_compiled_batch1_decode_through_the_fused_gemv_equals_stock(arch, fuse, 
     hfpaged.patch(model, num_blocks=64, block_size=4, async_scheduling=False, compile=True, **options)
     generated, _ = _decode_with(model, hfpaged.Engine(model).core.runner, prompts, 6)
     assert generated == expected
+    return model, prompts, expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,fuse", [("llama", True), ("qwen3", False)], ids=["llama_fused", "qwen3_unfused"])
+def test_compiled_batch1_decode_through_the_fused_gemv_equals_stock(arch, fuse, fused_calls):
+    model, prompts, expected = _compiled_batch1_decode(arch, fuse)
     layers = model.config.num_hidden_layers
     # in each of the 5 decode steps, per layer: q/k/v and gate/up read the norms (2 fused GEMVs, or 5 projections
     # unfused), o and down add the residual; the LM head (outside the compiled layers) runs plain, also for the
@@ -146,13 +154,7 @@ def test_compiled_batch1_decode_through_the_fused_gemv_equals_stock(arch, fuse, 
 def test_other_architectures_take_what_matches_and_stay_exact(arch, neighbours, fused_calls):
     # OPT: LayerNorms (not matched), residual adds of its biased projections (fused); Gemma2: its norms are not the
     # Llama-family one and its residual adds add norm outputs (nothing fused). Greedy equals stock either way.
-    model = make_model(arch, dtype=torch.float16)
-    prompts = random_prompts([7], seed=5)
-    expected = reference_generate(model, prompts, max_new_tokens=6, do_sample=False)
-    options = dict(attention_backend="triton", gemv=True, fuse_projections=True, compile_cache_dir="")
-    hfpaged.patch(model, num_blocks=64, block_size=4, async_scheduling=False, compile=True, **options)
-    generated, _ = _decode_with(model, hfpaged.Engine(model).core.runner, prompts, 6)
-    assert generated == expected
+    _compiled_batch1_decode(arch, True)
     assert {call for call in fused_calls if call != (False, False)} == neighbours
 
 
@@ -162,8 +164,6 @@ def test_fused_gemv_steps_under_preemption_swap_threads_and_changed_weights(fuse
     # compiled layers, so one-sequence steps run the batch-1 graph's forward, GEMVs fused. A pool too small for the
     # batch (recompute, then swap preemption), callers in threads, norm and projection weights changed in place:
     # greedy equals stock generate throughout.
-    import threading
-
     from test_graph_padding import replay_eagerly
 
     model = make_model("llama", dtype=torch.float16, seed=3)
@@ -178,16 +178,7 @@ def test_fused_gemv_steps_under_preemption_swap_threads_and_changed_weights(fuse
         assert got == expected, mode
         assert hfpaged.stats(model)["num_preemptions"] > 0 and (True, False) in fused_calls, mode
         fused_calls.clear()
-    results = [None] * 3
-
-    def caller(i):
-        results[i] = [r.token_ids for r in model.generate_many(prompts[i::3], max_new_tokens=12, do_sample=False)]
-
-    threads = [threading.Thread(target=caller, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
+    results = generate_in_threads(model, prompts, max_new_tokens=12, do_sample=False)
     assert results == [expected[i::3] for i in range(3)]
     with torch.no_grad():  # changed in place while patched (layers compiled): the next call uses the new values
         model.model.layers[0].post_attention_layernorm.weight.mul_(-1.5)
