@@ -125,14 +125,44 @@ def choose_config(
         return AttentionConfig(
             block_m, tile_n, num_warps, num_stages, num_splits, min_tiles, target_per_sm * sm_count, one_query
         )
-    if elem_size == 4:
-        block_m, tile_n, num_warps, num_stages = (64, 32, 4, 2) if head_dim_pad <= 128 else (32, 32, 4, 2)
-    elif head_dim_pad <= 128:
-        # H100 sweep (bf16, hd 128): 128 x 128 / 8 warps best for long prompts, 128 x 32 / 4 warps
-        # for batches of ~1k-token prompts (more, shorter programs).
-        long = max_seqlen_q > 1536
-        block_m, tile_n, num_warps, num_stages = (128, 128, 8, 3) if long else (128, 32, 4, 3)
-    else:
-        block_m, tile_n, num_warps, num_stages = 64, 64, 4, 2
-    block_m = max(block_m, next_power_of_2(group))
+    block_m, tile_n, num_warps, num_stages = prompt_tile(max_seqlen_q, group, head_dim_pad, elem_size)
     return AttentionConfig(block_m, tile_n, num_warps, num_stages, 1)
+
+
+# Prompt tiles (BLOCK_M, TILE_N, num_warps, num_stages) of 16-bit queries. Heads of 65-128 dims: a batch whose longest
+# query run is above SHORT_PROMPT_MAX_Q takes LONG_PROMPT_TILE, others SHORT_PROMPT_TILE; heads of <= 64 dims take
+# SMALL_HEAD_PROMPT_TILE for every run. H100 (session 23, notes/results/session23/call1-2; bf16 and e4m3 caches, heads
+# 16/8 x 128, 32/8 x 128, 32/8 x 64): long prompts (2 x 4k, 2k chunks after 2-6k of context) with 128-dim heads run
+# best with 128 x 128 / 8 warps (64 x 32: 0.79-0.88x of it); prompts of up to ~1.5k tokens, alone or beside decode
+# rows (whose program is a whole BLOCK_M tile), with 64 x 32 / 4 warps: 1.1-1.4x the long tile on 100-1,500-token
+# prompts, 1.4-1.7x on chat steps (32-512-token prompts beside 1-240 decode rows); session 16's 128 x 32 / 4 warps
+# was 1.0-1.25x there (bf16) and slower than the long tile with e4m3 caches. 64-dim heads: 64 x 64 / 4 warps / 2
+# stages within 4% of the best of every shape, 1.1-1.2x the long tile on long prompts, 1.6-2.3x on chat steps.
+SHORT_PROMPT_MAX_Q = 1536
+LONG_PROMPT_TILE = (128, 128, 8, 3)
+SHORT_PROMPT_TILE = (64, 32, 4, 3)
+SMALL_HEAD_PROMPT_TILE = (64, 64, 4, 2)
+
+
+def prompt_tile(max_seqlen_q: int, group: int, head_dim_pad: int, elem_size: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, TILE_N, num_warps, num_stages) of a batch that is not decode-like."""
+    if elem_size == 4:
+        tile = (64, 32, 4, 2) if head_dim_pad <= 128 else (32, 32, 4, 2)
+    elif head_dim_pad <= 64:
+        tile = SMALL_HEAD_PROMPT_TILE
+    elif head_dim_pad <= 128:
+        tile = LONG_PROMPT_TILE if max_seqlen_q > SHORT_PROMPT_MAX_Q else SHORT_PROMPT_TILE
+    else:
+        tile = (64, 64, 4, 2)
+    return (max(tile[0], next_power_of_2(group)), *tile[1:])
+
+
+def short_prompt_hint(*, group: int, head_dim_pad: int, elem_size: int) -> int | None:
+    """A ``max_seqlen_q`` hint that picks the short-prompt tile where it differs from the long one (a CUDA graph
+    captured with the largest hint of its bucket bakes the long tile: steps of short runs may replay a second graph
+    captured with this hint), or None where every run length gets the same prompt tile."""
+    short = prompt_tile(SHORT_PROMPT_MAX_Q, group, head_dim_pad, elem_size)
+    long = prompt_tile(SHORT_PROMPT_MAX_Q + 1, group, head_dim_pad, elem_size)
+    if short == long or decode_like(SHORT_PROMPT_MAX_Q, group):
+        return None
+    return SHORT_PROMPT_MAX_Q

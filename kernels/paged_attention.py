@@ -346,12 +346,13 @@ def paged_attention(
     config = config_for_batch(num_tokens, num_seqs, num_heads, q.dtype, k_cache, v_cache, max_seqlen_q, max_seqlen_k)
     if (key is None) != (value is None):
         raise ValueError("key and value go together: give both or neither")
+    if key is not None:
+        step_kv_usable(q, k_cache, v_cache, key, value)  # checks their shapes (whether the kernel reads them or not)
     store = None
     if slot_mapping is not None:
         if key is None:
             raise ValueError("slot_mapping stores the step's keys and values: give key and value too")
         if STORE_IN_KERNEL and max_seqlen_q == 1 and num_tokens == num_seqs:  # one query per sequence
-            step_kv_usable(q, k_cache, v_cache, key, value)  # checks their shapes
             check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
             check_devices(q=q, slot_mapping=slot_mapping)
             check_dim("slot_mapping", slot_mapping, 0, num_tokens, "q.shape[0], the number of tokens")

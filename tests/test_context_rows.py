@@ -216,8 +216,12 @@ def test_engine_copies_context_rows_and_keeps_its_tokens(kv_cache_dtype, monkeyp
 def test_context_rows_under_preemption(mode, monkeypatch):
     # a pool too small for the three sequences at once: preempted requests are prefilled again in chunks (their
     # context re-read from recomputed or swapped-in blocks); the tokens equal those without the copy
+    from hfpaged.kernels import attention_config
+
     prompts = random_prompts([150, 130, 110], seed=12)
     monkeypatch.setattr(pa, "CONTEXT_MIN_Q", 16)
+    # 32-key prompt tiles for these 16-dim heads (64 by default): the chunks of this small pool hold whole tiles
+    monkeypatch.setattr(attention_config, "SMALL_HEAD_PROMPT_TILE", (64, 32, 4, 2))
     copied = spy_on_copies(monkeypatch)
     results = []
     for min_tokens in (32, 1 << 30):

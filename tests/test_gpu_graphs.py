@@ -139,9 +139,9 @@ def test_capture_without_warm_up_retries_with_one(monkeypatch):
             raise RuntimeError("simulated capture failure")
         return capture_one(self, forward, bucket, *args)
 
-    def recording(self, forward, bucket, stream, calls):
+    def recording(self, forward, bucket, stream, calls, **kwargs):
         events.append(("warm", self.mixed, bucket, calls))
-        return warm_up(self, forward, bucket, stream, calls)
+        return warm_up(self, forward, bucket, stream, calls, **kwargs)
 
     monkeypatch.setattr(StepGraphs, "_capture_one", failing_once)
     monkeypatch.setattr(StepGraphs, "_warm_up", recording)
@@ -261,3 +261,65 @@ def test_capture_invalidated_inside_retries_into_a_fresh_pool(monkeypatch):
     del scratch
     torch.cuda.empty_cache()
     assert torch.cuda.memory_reserved() <= before
+
+
+def test_short_prompt_variants_token_for_token(monkeypatch):
+    """Mixed buckets above the short-prompt hint (forced to 8 here: float32 has one prompt tile) capture a second
+    graph, with compiled layers and no warm-up: steps whose longest run fits it replay that one; tokens stay stock's."""
+    from hfpaged.model import runner as runner_module
+    from hfpaged.model.cuda_graphs import StepGraphs
+
+    monkeypatch.setattr(runner_module, "short_prompt_hint", lambda layers: 8)
+    model = make_model("qwen3").cuda()
+    prompts = random_prompts([3, 40, 9, 17, 70, 5, 33, 2, 6], seed=18)
+    expected = reference_generate(model, prompts, max_new_tokens=12, do_sample=False)
+    variant_hint, hints = StepGraphs.variant_hint, []
+
+    def recording(self, bucket, max_seqlen_q):
+        hints.append(variant_hint(self, bucket, max_seqlen_q))
+        return hints[-1]
+
+    monkeypatch.setattr(StepGraphs, "variant_hint", recording)
+    hfpaged.patch(model, num_blocks=64, block_size=4, max_num_seqs=6, max_num_batched_tokens=64)
+    assert staggered(model, prompts, 12) == expected
+    runner = model._hfpaged.engine.runner
+    mixed = runner.mixed_graphs
+    assert mixed.short_buckets == [16, 32, 64] and sorted(mixed.short_graphs) == mixed.short_buckets
+    assert mixed.capture_retries == 0 and runner.num_eager_steps == 0
+    assert 8 in hints and None in hints  # both kinds of mixed graph replayed
+
+
+def test_short_prompt_variant_replays_equal_their_forward(monkeypatch):
+    """bf16, the real hint (1,536): a 2,048-token mixed step of short prompts replays the variant, one with a longer
+    run the bucket's own graph; each replay's logits (and in-graph argmax) equal the compiled forward run eagerly
+    on the same inputs with the hint that graph was captured with."""
+    from hfpaged.model.cuda_graphs import StepGraphs
+
+    model = make_model("qwen3", dtype=torch.bfloat16, head_dim=128, max_position_embeddings=4096).cuda()  # 128-dim heads: two prompt tiles
+    hfpaged.patch(model, num_blocks=1024, block_size=16, max_num_seqs=16, max_num_batched_tokens=2048)
+    runner = model._hfpaged.engine.runner
+    replay, checked = StepGraphs.replay, []
+
+    def checking(self, bucket, num_sampled, max_seqlen_q=None):
+        out = replay(self, bucket, num_sampled, max_seqlen_q)
+        if self.mixed and bucket == 2048:
+            hint = self.variant_hint(bucket, max_seqlen_q)
+            greedy = self.greedy_tokens(bucket, num_sampled, max_seqlen_q)
+            with torch.inference_mode():
+                eager = runner._graph_forward(self._views(bucket, hint), mixed=True)[:num_sampled]
+            assert torch.equal(out, eager), (max_seqlen_q, hint, (out.float() - eager.float()).abs().max())
+            # the graph's argmax picks a largest logit of each row (bf16 logits can tie)
+            assert greedy is not None and greedy.shape == (num_sampled,)
+            assert torch.equal(out.gather(1, greedy.long()[:, None])[:, 0], out.max(dim=-1).values)
+            checked.append((max_seqlen_q, hint))
+        return out
+
+    monkeypatch.setattr(StepGraphs, "replay", checking)
+    short = random_prompts([150, 120, 140, 100, 130, 110, 150, 125, 135, 145, 105, 115, 140, 150], seed=19)
+    model.generate_many(short, max_new_tokens=4, do_sample=False)  # 1,815 prompt tokens in one step
+    model.generate_many(random_prompts([1700, 60], seed=20), max_new_tokens=4, do_sample=False)
+    mixed = runner.mixed_graphs
+    assert mixed.short_hint == 1536 and 2048 in mixed.short_buckets and mixed.capture_retries == 0
+    assert (150, 1536) in checked and (1700, None) in checked, checked
+    stats = hfpaged.stats(model)
+    assert stats["num_free_blocks"] == stats["num_blocks"]

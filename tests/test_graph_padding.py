@@ -27,7 +27,10 @@ def replay_eagerly(model, attention=None):
         runner.attention_fn = attention
 
     def capture(graphs, forward):
-        graphs.replay = lambda bucket, num_sampled: forward(graphs._views(bucket))[:num_sampled]
+        def replay(bucket, num_sampled, max_seqlen_q=None):  # the graph the step would replay: its hint too
+            return forward(graphs._views(bucket, graphs.variant_hint(bucket, max_seqlen_q)))[:num_sampled]
+
+        graphs.replay = replay
         return True
 
     runner._capture = capture
@@ -73,6 +76,53 @@ def test_padded_steps_equal_stock_generate(kernel):
     assert runner.num_graph_steps > 0 and runner.num_eager_steps == 0
     stats = hfpaged.stats(model)
     assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_short_prompt_variants_replay_for_short_runs(kernel, monkeypatch):
+    """Mixed buckets above the short-prompt hint have a second graph captured with that hint: a step whose longest
+    query run fits it replays that one (its attention sees the hint), others the bucket's own; tokens stay stock's."""
+    from hfpaged.model import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "short_prompt_hint", lambda layers: 8)
+    model = make_model("qwen3", seed=5)
+    prompts = random_prompts([5, 23, 9, 40, 3, 17, 6, 2], seed=6)
+    expected = reference_generate(model, prompts, max_new_tokens=6, do_sample=False)
+    hfpaged.patch(model, num_blocks=64, block_size=4, max_num_seqs=6, max_num_batched_tokens=48)
+    attend, hints_seen = None, []
+    if kernel == "triton":
+        pytest.importorskip("triton")
+        from hfpaged.kernels import paged_attention
+
+        def attend(*args, **kwargs):
+            hints_seen.append(kwargs["max_seqlen_q"])
+            return paged_attention(*args, **kwargs)
+
+    runner = replay_eagerly(model, attend)
+    replay_hints = []
+
+    def recording(self, bucket, max_seqlen_q):
+        hint = variant_hint(self, bucket, max_seqlen_q)
+        if self.mixed:
+            replay_hints.append((bucket, max_seqlen_q, hint))
+        return hint
+
+    from hfpaged.model.cuda_graphs import StepGraphs
+
+    variant_hint = StepGraphs.variant_hint
+    monkeypatch.setattr(StepGraphs, "variant_hint", recording)
+    results = model.generate_many(prompts, max_new_tokens=6, do_sample=False)
+    assert [r.token_ids for r in results] == expected
+    assert runner.mixed_graphs.short_hint == 8 and runner.mixed_graphs.short_buckets == [16, 32, 48]
+    assert runner.graphs.short_buckets == []  # decode graphs have none
+    short = [(b, q) for b, q, hint in replay_hints if hint == 8]
+    own = [(b, q) for b, q, hint in replay_hints if hint is None]
+    assert short and own and all(q <= 8 for _, q in short) and all(q > 8 for _, q in own)
+    if kernel == "triton":  # the variant's attention ran with the hint, the others with their bucket's size
+        assert 8 in hints_seen and {b for b, _ in own} <= set(hints_seen)
+    assert runner.num_eager_steps == 0
+    stats = hfpaged.stats(model)
+    assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
 def test_padding_layout_of_a_mixed_step():
@@ -162,7 +212,10 @@ def test_mixed_graphs_out_of_memory_keeps_the_decode_graphs(monkeypatch):
     def capture(graphs, forward):
         if graphs.mixed:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        graphs.replay = lambda bucket, num_sampled: forward(graphs._views(bucket))[:num_sampled]
+        def replay(bucket, num_sampled, max_seqlen_q=None):  # the graph the step would replay: its hint too
+            return forward(graphs._views(bucket, graphs.variant_hint(bucket, max_seqlen_q)))[:num_sampled]
+
+        graphs.replay = replay
 
     monkeypatch.setattr(StepGraphs, "capture", capture)
     results = model.generate_many(prompts, max_new_tokens=6, do_sample=False)

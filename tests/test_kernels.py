@@ -200,6 +200,32 @@ def test_mid_size_decode_batches_get_their_own_tiles_and_split_rule():
     assert decode(9).num_splits == 1
 
 
+def test_prompt_tiles_by_longest_query_run_and_the_short_prompt_hint():
+    # 16-bit queries over heads of <= 128 dims: runs above SHORT_PROMPT_MAX_Q take the long tile, others the short;
+    # short_prompt_hint names the hint that picks the short tile only where the two differ
+    from hfpaged.kernels import attention_config as ac
+
+    def prompt(max_q, elem_size=2, head_dim_pad=128, group=2):
+        return ac.choose_config(
+            num_tokens=8192, num_seqs=257, num_kv_heads=8, group=group, head_dim_pad=head_dim_pad, elem_size=elem_size,
+            max_seqlen_q=max_q, max_seqlen_k=8192, device=torch.device("cpu"),
+        )  # fmt: skip
+
+    def tile(config):
+        return (config.block_m, config.tile_n, config.num_warps, config.num_stages)
+
+    limit = ac.SHORT_PROMPT_MAX_Q
+    assert tile(prompt(limit + 1)) == tile(prompt(8192)) == ac.LONG_PROMPT_TILE
+    assert tile(prompt(limit)) == tile(prompt(100)) == ac.SHORT_PROMPT_TILE != ac.LONG_PROMPT_TILE
+    assert tile(prompt(100, group=128))[0] == 128  # one program holds a whole group of query heads
+    assert ac.short_prompt_hint(group=2, head_dim_pad=128, elem_size=2) == limit
+    assert ac.short_prompt_hint(group=8, head_dim_pad=128, elem_size=2) == limit
+    assert tile(prompt(100, head_dim_pad=64)) == tile(prompt(8192, head_dim_pad=64)) == ac.SMALL_HEAD_PROMPT_TILE
+    for elem_size, head_dim_pad in ((4, 128), (2, 256), (2, 64)):  # one prompt tile for every run length: no variants
+        assert tile(prompt(limit, elem_size, head_dim_pad)) == tile(prompt(8192, elem_size, head_dim_pad))
+        assert ac.short_prompt_hint(group=2, head_dim_pad=head_dim_pad, elem_size=elem_size) is None
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["16bit", "fp8"])
 def test_mid_size_decode_batch_through_paged_attention(fp8):
     # A decode batch of ~1 program per SM (the CPU counts as 4 SMs) through the public paged_attention: the

@@ -91,17 +91,23 @@ def test_step_rows_with_window_and_softcap():
 
 
 def test_public_paged_attention_takes_the_step_rows():
-    # the prefill tiles (64 positions x 2 heads, 32 keys): query blocks past the first have whole tiles of the
-    # prompt's own keys below them (a block's own diagonal tiles stay masked, through the cache)
+    # the prefill tiles (block_m / 2 positions x 2 heads, tile_n keys): query blocks starting at or past tile_n
+    # have whole tiles of the prompt's own keys below them (the diagonal tiles stay masked, through the cache)
+    from hfpaged.kernels.paged_attention import config_for_batch
+
     q_lens, seq_lens = [200, 1], [200, 30]
     batch = make_batch(q_lens, seq_lens, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
                        dtype=torch.float16, table_tail="minus1")  # fmt: skip
     key, value = step_rows(batch, q_lens, seq_lens)
     hints = dict(max_seqlen_q=200, max_seqlen_k=200)
+    config = config_for_batch(201, 2, 4, torch.float16, batch["k_cache"], batch["v_cache"], **hints)
+    block_q = config.block_m // 2
+    first = -(-config.tile_n // block_q) * block_q  # the first query block with a whole tile below it
+    assert 0 < first < 200
     out = paged_attention(**batch, scale=32**-0.5, key=key, value=value, **hints)
     torch.testing.assert_close(out, paged_attention(**batch, scale=32**-0.5), rtol=1e-3, atol=1e-3)
     wrong = paged_attention(**batch, scale=32**-0.5, key=key * 0, value=value * 0, **hints)
-    assert torch.equal(wrong[:64], out[:64]) and not torch.equal(wrong[64:200], out[64:200])
+    assert torch.equal(wrong[:first], out[:first]) and not torch.equal(wrong[first:200], out[first:200])
     assert torch.equal(wrong[200:], out[200:])  # the decode row
 
 

@@ -12,7 +12,10 @@ Decode graphs (T = R = the batch bucket) keep one output each. Mixed graphs (T =
 min(T, max_num_seqs + 1): any step of at most T tokens fits, with a sequence to spare for the padding)
 attend with the prefill tiles (the attention's ``max_seqlen_q`` hint is T) and copy their logits into one
 output shared by all of them, so the logits of the largest bucket are not held once per bucket. Graphs of
-one kind are captured largest first into one shared memory pool.
+one kind are captured largest first into one shared memory pool. Where the attention's prompt tiles differ for
+short and long query runs (``short_prompt_hint``), a mixed bucket above the short-run limit has a second graph,
+captured with that limit as its hint: a step whose longest query run is within it replays that one (chat steps
+of short prompts beside decode rows: ~1.5x faster attention than with the long-prompt tiles).
 """
 
 from __future__ import annotations
@@ -75,6 +78,19 @@ def _end_failed_capture(device: torch.device, pool) -> None:
         end(device.index if device.index is not None else torch.cuda.current_device(), pool)
 
 
+def short_prompt_hint(layers) -> int | None:
+    """The hint of the mixed graphs' short-prompt variants for these attention layers (``LayerRecord``), or None
+    where no layer's prompt tiles depend on the query run length."""
+    from ..kernels.attention_config import short_prompt_hint as layer_hint  # CUDA graphs run the Triton kernels
+
+    for layer in layers:
+        group, head_dim = layer.num_heads // layer.num_kv_heads, max(layer.head_dim, layer.head_dim_v)
+        hint = layer_hint(group=group, head_dim_pad=1 << (head_dim - 1).bit_length(), elem_size=layer.dtype.itemsize)
+        if hint is not None:
+            return hint
+    return None
+
+
 class StepGraphs:
     """Captured forwards keyed by bucket: decode (``mixed=False``: T = R = bucket) or mixed (T = bucket)."""
 
@@ -89,12 +105,17 @@ class StepGraphs:
         max_num_tokens: int | None = None,
         min_batch: int = 1,
         warm_smallest: bool = False,
+        short_prompt_hint: int | None = None,
     ):
         self.width = width  # block-table columns of a real request (longer ones run eagerly)
         self.max_seqlen_k = width * block_size  # the attention grid hint baked into the graphs
         self.mixed = mixed
         self.max_num_seqs = max_num_seqs
         self.buckets = token_buckets(max_num_tokens) if mixed else batch_buckets(max_num_seqs, min_batch)
+        # mixed: buckets with a second graph baking the short-prompt tiles (hint = the short-run limit)
+        self.short_hint = short_prompt_hint if mixed else None
+        self.short_buckets = [b for b in self.buckets if self.short_hint is not None and b > self.short_hint]
+        self.short_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         self.device = device
         largest_tokens, largest_reqs = self.shape(self.buckets[-1])
         self.static = torch.zeros(packed_size(largest_tokens, largest_reqs, 0), dtype=torch.int32, device=device)
@@ -144,8 +165,9 @@ class StepGraphs:
             packed[at["cu_seqlens_q"]] = np.arange(num_reqs + 1)
         return packed
 
-    def _views(self, bucket: int) -> DeviceStep:
-        """The step tensors of ``bucket``'s graph, as views of the static buffers."""
+    def _views(self, bucket: int, hint: int | None = None) -> DeviceStep:
+        """The step tensors of ``bucket``'s graph (``hint``: its max_seqlen_q, else the bucket's), as views of the
+        static buffers."""
         num_tokens, num_reqs = self.shape(bucket)
         flat, at = self.static, region_slices(num_tokens, num_reqs)
         metadata = AttentionMetadata(
@@ -153,7 +175,8 @@ class StepGraphs:
             block_tables=self.static_block_tables[:num_reqs],
             seq_lens=flat[at["seq_lens"]],
             cu_seqlens_q=flat[at["cu_seqlens_q"]],
-            max_seqlen_q=num_tokens if self.mixed else 1,  # mixed: the prefill tiles, right for any query runs
+            # mixed: the prefill tiles (right for any query runs; which ones, the hint says), decode: the decode tiles
+            max_seqlen_q=(hint or num_tokens) if self.mixed else 1,
             max_seqlen_k=self.max_seqlen_k,
         )
         wide = widen_leading_regions(flat, at)
@@ -175,51 +198,54 @@ class StepGraphs:
             dummy = torch.from_numpy(self._dummy_inputs(bucket))
             self.static[: dummy.numel()].copy_(dummy)
             self.static_block_tables.zero_()
-            if bucket == self.buckets[-1]:
-                logits = self._warm_up(forward, bucket, stream, calls=2)
-                if self.mixed:
-                    shared = torch.empty_like(logits)
-                del logits
-                graph, logits, greedy = self._capture_one(forward, bucket, pool, stream, shared)
-            else:
-                if self.warm_smallest and bucket == self.buckets[0]:
-                    self._warm_up(forward, bucket, stream, calls=1)
-                try:
-                    graph, logits, greedy = self._capture_one(forward, bucket, pool, stream, shared)
-                except RuntimeError as error:
-                    logger.info("hfpaged: capture of bucket %d failed without a warm-up (%s); retrying", bucket, error)
-                    self.capture_retries += 1
-                    # the retry and the buckets after it capture into a fresh pool, on a fresh stream (the failed
-                    # capture may have left its own half-used)
-                    pool = torch.cuda.graph_pool_handle()
-                    stream = torch.cuda.Stream(self.device)
-                    self._warm_up(forward, bucket, stream, calls=1)
-                    graph, logits, greedy = self._capture_one(forward, bucket, pool, stream, shared)
-            self.outputs[bucket] = logits
-            self.greedy[bucket] = greedy
-            self.graphs[bucket] = graph
+            for hint in [None] + ([self.short_hint] if bucket in self.short_buckets else []):
+                if bucket == self.buckets[-1] and hint is None:
+                    logits = self._warm_up(forward, bucket, stream, calls=2)
+                    if self.mixed:
+                        shared = torch.empty_like(logits)
+                    del logits
+                    entry = self._capture_one(forward, bucket, pool, stream, shared)
+                else:
+                    if self.warm_smallest and bucket == self.buckets[0]:
+                        self._warm_up(forward, bucket, stream, calls=1)
+                    try:
+                        entry = self._capture_one(forward, bucket, pool, stream, shared, hint)
+                    except RuntimeError as error:
+                        logger.info("hfpaged: capture of bucket %d failed without a warm-up (%s); retrying", bucket, error)
+                        self.capture_retries += 1
+                        # the retry and the buckets after it capture into a fresh pool, on a fresh stream (the failed
+                        # capture may have left its own half-used)
+                        pool = torch.cuda.graph_pool_handle()
+                        stream = torch.cuda.Stream(self.device)
+                        self._warm_up(forward, bucket, stream, calls=1, hint=hint)
+                        entry = self._capture_one(forward, bucket, pool, stream, shared, hint)
+                if hint is None:
+                    self.graphs[bucket], self.outputs[bucket], self.greedy[bucket] = entry
+                else:
+                    self.short_graphs[bucket] = entry
         torch.cuda.synchronize(self.device)
         kind = "mixed-step (tokens" if self.mixed else "decode (batch"
         logger.info("hfpaged: captured %d %s CUDA graphs %s)", len(self.graphs), kind, self.buckets)
 
-    def _warm_up(self, forward, bucket: int, stream: torch.cuda.Stream, calls: int) -> torch.Tensor:
+    def _warm_up(self, forward, bucket: int, stream: torch.cuda.Stream, calls: int, hint=None) -> torch.Tensor:
         """Run ``forward`` on ``bucket``'s views outside any capture; the last call's logits."""
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(calls):
-                logits = forward(self._views(bucket))
+                logits = forward(self._views(bucket, hint))
         torch.cuda.current_stream(self.device).wait_stream(stream)
         return logits
 
-    def _capture_one(self, forward, bucket: int, pool, stream: torch.cuda.Stream, shared):
-        """One bucket's graph, its output (mixed: a view of ``shared``, the buffer every graph copies into) and the
-        output rows' argmax (None for buckets of many rows)."""
+    def _capture_one(self, forward, bucket: int, pool, stream: torch.cuda.Stream, shared, hint: int | None = None):
+        """One bucket's graph (``hint``: its max_seqlen_q, else the bucket's), its output (mixed: a view of
+        ``shared``, the buffer every graph copies into) and the output rows' argmax (None for buckets of many
+        rows)."""
         graph = torch.cuda.CUDAGraph()
         stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
             # thread_local: other threads (stock generate, another model) may keep using the GPU meanwhile
             with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                logits = forward(self._views(bucket))
+                logits = forward(self._views(bucket, hint))
                 if self.mixed:
                     shared[: logits.shape[0]].copy_(logits)
                     logits = shared[: logits.shape[0]]
@@ -241,13 +267,28 @@ class StepGraphs:
         """The static int32 input ids of ``bucket``'s graph (to patch in tokens that are already on the device)."""
         return self.static[region_slices(*self.shape(bucket))["input_ids"]]
 
-    def greedy_tokens(self, bucket: int, num_sampled: int) -> torch.Tensor | None:
-        """The argmax of the rows ``replay`` returned, computed by the graph (None for buckets of many rows). It is
-        overwritten by the bucket's next replay: read it (or enqueue its reads) before that."""
-        greedy = self.greedy.get(bucket)
+    def variant_hint(self, bucket: int, max_seqlen_q: int | None) -> int | None:
+        """The hint of the graph that a step of ``bucket`` whose longest query run is ``max_seqlen_q`` replays: the
+        short-prompt variant's where the bucket has one and the run fits it, else None (the bucket's own graph)."""
+        if max_seqlen_q is not None and bucket in self.short_buckets and max_seqlen_q <= self.short_hint:
+            return self.short_hint
+        return None
+
+    def greedy_tokens(self, bucket: int, num_sampled: int, max_seqlen_q: int | None = None) -> torch.Tensor | None:
+        """The argmax of the rows ``replay`` returned (same ``max_seqlen_q``), computed by the graph (None for buckets
+        of many rows). It is overwritten by the bucket's next replay: read it (or enqueue its reads) before that."""
+        if self.variant_hint(bucket, max_seqlen_q) is not None:
+            greedy = self.short_graphs[bucket][2] if bucket in self.short_graphs else None
+        else:
+            greedy = self.greedy.get(bucket)
         return None if greedy is None else greedy[:num_sampled]
 
-    def replay(self, bucket: int, num_sampled: int) -> torch.Tensor:
-        """Replay the graph of ``bucket`` on the loaded inputs; logits ``[num_sampled, vocab]``."""
-        self.graphs[bucket].replay()
-        return self.outputs[bucket][:num_sampled]
+    def replay(self, bucket: int, num_sampled: int, max_seqlen_q: int | None = None) -> torch.Tensor:
+        """Replay the graph of ``bucket`` on the loaded inputs (``max_seqlen_q``: the step's longest query run, which
+        may pick the short-prompt variant); logits ``[num_sampled, vocab]``."""
+        if self.variant_hint(bucket, max_seqlen_q) is not None:
+            graph, output, _ = self.short_graphs[bucket]
+        else:
+            graph, output = self.graphs[bucket], self.outputs[bucket]
+        graph.replay()
+        return output[:num_sampled]

@@ -26,7 +26,7 @@ from ..core.block_pool import cdiv
 from ..core.scheduler_output import SchedulerOutput
 from ..sampling.sampler import Sampler, StepResult, all_plain_greedy
 from .attention import PagedStep, eval_mode, paged_forward
-from .cuda_graphs import StepGraphs
+from .cuda_graphs import StepGraphs, short_prompt_hint
 from .fused_projections import fused_step
 from .gc_heap import HeapFreeze
 from .input_batch import DeviceStep, HostStep, InputBatch, device_views, padded_width, region_slices
@@ -141,8 +141,8 @@ class ModelRunner:
             graphs.load(self._stage(host.packed), bucket, host.width)
             self._fill_pending(graphs.input_ids(bucket), host.pending)
             self.num_graph_steps += 1
-            logits = graphs.replay(bucket, host.num_sampled)
-            return logits, host, graphs.greedy_tokens(bucket, host.num_sampled)
+            logits = graphs.replay(bucket, host.num_sampled, host.max_seqlen_q)
+            return logits, host, graphs.greedy_tokens(bucket, host.num_sampled, host.max_seqlen_q)
         host = self.batch.pack(out.scheduled, self.previous)
         buffer = self._stage(host.packed).to(self.device, non_blocking=True)
         self._fill_pending(buffer[region_slices(host.num_tokens, host.num_reqs)["input_ids"]], host.pending)
@@ -335,6 +335,7 @@ class ModelRunner:
                 # one-row steps take the GEMV (gemv: ~0.1-0.5 ms per token, session 19)
                 min_batch=2 if self.compile and not mixed and not self._gemv else 1,
                 warm_smallest=self.compile and not mixed and self._gemv,
+                short_prompt_hint=short_prompt_hint(self.state.layers) if mixed else None,
             )
             start = time.perf_counter()
             forward = functools.partial(self._graph_forward, mixed=True) if mixed else self._graph_forward

@@ -37,7 +37,11 @@ from hfpaged.kernels.dependent_launch import dependent_launch_supported  # noqa:
 pa = importlib.import_module("hfpaged.kernels.paged_attention")
 DEVICE = "cpu" if DRY else "cuda"
 H, KVH, HD, BS = (4, 2, 32, 16) if DRY else (16, 8, 128, 16)
+if "--heads" in sys.argv:  # e.g. 32,8,64 (Llama-3.2-1B), 32,8,128 (Llama-3.1-8B)
+    H, KVH, HD = (int(x) for x in sys.argv[sys.argv.index("--heads") + 1].split(","))
 DTYPE = torch.float16 if DRY else torch.bfloat16
+FP8 = "--fp8" in sys.argv  # e4m3 caches (scale 1/64), bf16 queries
+FEW = "--few-configs" in sys.argv
 OUT = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else os.environ.get("OUT", "/tmp")
 
 
@@ -74,6 +78,12 @@ class Mixed:
         nblocks = sum(blocks) * sets + 1
         self.k_cache = torch.randn(nblocks, BS, KVH, HD, device=DEVICE, dtype=DTYPE)
         self.v_cache = torch.randn(nblocks, BS, KVH, HD, device=DEVICE, dtype=DTYPE)
+        self.scales = {}
+        if FP8:
+            scale = torch.full((1,), 1 / 64, device=DEVICE, dtype=torch.float32)
+            self.k_cache = (self.k_cache.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            self.v_cache = (self.v_cache.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            self.scales = {"k_scale": scale, "v_scale": scale}
         perm = torch.randperm(nblocks - 1) + 1
         self.sets = []
         at = 0
@@ -107,7 +117,7 @@ class Mixed:
         pdl = (not DRY) and dependent_launch_supported(q.device)
         return lambda: pa.paged_attention(
             q, self.k_cache, self.v_cache, tables, self.seq_lens, self.cu, scale=HD**-0.5, max_seqlen_q=hint,
-            max_seqlen_k=self.max_k, key=k, value=v, slot_mapping=slots, launch_pdl=pdl,
+            max_seqlen_k=self.max_k, key=k, value=v, slot_mapping=slots, launch_pdl=pdl, **self.scales,
         )  # fmt: skip
 
 
@@ -153,6 +163,8 @@ def scenarios(rng):
 def tile_configs():
     if DRY:
         return [(64, 32, 4, 2), (128, 32, 4, 3)]
+    if FEW:
+        return [(128, 128, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2), (64, 64, 4, 2)]
     return [
         (128, 128, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 2), (128, 64, 4, 2),
         (64, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2), (64, 64, 4, 2), (64, 128, 4, 3), (128, 128, 4, 3),
@@ -298,6 +310,13 @@ def main():
     t = time.perf_counter()
     attention_part(results["attention"])
     log(f"attention part {time.perf_counter() - t:.0f} s")
+    if "--attention-only" in sys.argv:
+        results["heads"], results["fp8"] = [H, KVH, HD], FP8
+        os.makedirs(OUT, exist_ok=True)
+        tag = f"{H}_{KVH}_{HD}{'_fp8' if FP8 else ''}"
+        with open(os.path.join(OUT, f"s23_a_{tag}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        return
     t = time.perf_counter()
     gemm_part(results["gemm"])
     log(f"gemm part {time.perf_counter() - t:.0f} s")
