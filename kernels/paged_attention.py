@@ -12,9 +12,10 @@ an unnormalised partial (acc, max, sum) that ``_merge_splits_kernel`` combines (
 Prompt chunks may also be given the step's own keys/values (``key=``, ``value=``: what ``store_kv`` just wrote):
 the unmasked tiles of keys computed in this step then load whole boxes of those rows by TMA instead of gathering
 per key through the block table (1.2-1.4x prefill attention on the H100; notes/kernels.md, session 15). In steps
-of at least CONTEXT_MIN_TOKENS tokens, the cached context of chunks of at least CONTEXT_MIN_Q tokens is first copied
-into contiguous rows (context_rows.py) and read the same way (session 16); with fp8 caches, whose step rows are
-not the stored (quantized) values, all the keys of such chunks are copied instead.
+of at least CONTEXT_MIN_TOKENS tokens (16-bit caches: with a run of at least CONTEXT_MIN_RUN), the cached context of
+chunks of at least CONTEXT_MIN_Q tokens is first copied into contiguous rows (context_rows.py) and read the same way
+(session 16); with fp8 caches, whose step rows are not the stored (quantized) values, all the keys of such chunks are
+copied instead.
 
 Given ``slot_mapping=`` as well, it stores the step's keys/values first: in a step of one query token per sequence
 (decode), the program of each sequence and KV head whose keys include the last position writes that row into the
@@ -44,7 +45,7 @@ from ._checks import (
     launches_on_first_tensor_gpu,
     next_power_of_2,
 )
-from .attention_config import AttentionConfig, choose_config
+from .attention_config import SHORT_PROMPT_MAX_Q, AttentionConfig, choose_config
 from .attention_kernel import _paged_attention_kernel
 from .context_rows import (
     context_capacity,
@@ -60,9 +61,15 @@ from .store_kv import store_kv
 LOG2E = 1.4426950408889634
 # Context rows (context_rows.py): only in steps of at least this many tokens (a smaller step's copy launch would cost
 # more than it saves), for chunks of at least CONTEXT_MIN_Q query tokens (each context tile is then read by several
-# query blocks), in a scratch of at most CONTEXT_MAX_BYTES (context_capacity).
+# query blocks), in a scratch of at most CONTEXT_MAX_BYTES (context_capacity); with 16-bit caches only in steps whose
+# longest query run (the hint) is at least CONTEXT_MIN_RUN: the copy was measured on long chunks (session 16), steps
+# of short runs (chat prompts beside decode rows: the short-prompt tiles) seldom hold cached context, their copy
+# launch cost ~10 us per layer there for little, and their CUDA graphs then need no copy kernel and attention
+# variant of their own (two Triton compiles less at a cold start; session 23). fp8 caches copy (and convert each
+# key once) whatever the runs.
 CONTEXT_MIN_TOKENS = 2048
 CONTEXT_MIN_Q = 256
+CONTEXT_MIN_RUN = SHORT_PROMPT_MAX_Q + 1
 CONTEXT_MAX_BYTES = 64 << 20
 # Steps of one query token per sequence given slot_mapping store their K/V inside the attention kernel (False: store_kv
 # first, as other steps do; a switch for A/B measurements, read at each call)
@@ -364,7 +371,8 @@ def paged_attention(
     # prompt tiles only (decode tiles hold no whole tile of keys from the step); checked once, below
     use_step_kv = key is not None and config.num_splits == 1 and max_seqlen_q >= config.tile_n
     context_rows = 0
-    if use_step_kv and num_tokens >= CONTEXT_MIN_TOKENS:
+    long_runs = max_seqlen_q >= CONTEXT_MIN_RUN or k_cache.dtype in FP8_DTYPES
+    if use_step_kv and num_tokens >= CONTEXT_MIN_TOKENS and long_runs:
         rows_dtype = context_rows_dtype(q.dtype, k_cache.dtype)
         context_rows = context_capacity(
             num_tokens, max_seqlen_k, k_cache, v_cache, config.tile_n, CONTEXT_MAX_BYTES, rows_dtype

@@ -161,9 +161,23 @@ def test_public_paged_attention_copies_the_context_of_long_steps(monkeypatch):
     assert not offsets  # 201 tokens: under CONTEXT_MIN_TOKENS
     monkeypatch.setattr(pa, "CONTEXT_MIN_TOKENS", 128)
     monkeypatch.setattr(pa, "CONTEXT_MIN_Q", 64)
+    monkeypatch.setattr(pa, "CONTEXT_MIN_RUN", 0)  # runs of any length
     out = paged_attention(**batch, scale=32**-0.5, key=key, value=value, **hints)
     assert [o.tolist() for o in offsets] == [[0, -1]]
     assert torch.equal(out, plain)
+    # 16-bit caches copy only for steps with a run of at least CONTEXT_MIN_RUN (the hint says); fp8 caches always
+    monkeypatch.setattr(pa, "CONTEXT_MIN_RUN", 201)
+    offsets.clear()
+    assert torch.equal(paged_attention(**batch, scale=32**-0.5, key=key, value=value, **hints), plain)
+    assert not offsets
+    assert torch.equal(paged_attention(**batch, scale=32**-0.5, key=key, value=value, max_seqlen_q=201,
+                                       max_seqlen_k=300), plain)  # fmt: skip
+    assert len(offsets) == 1
+    scale = torch.tensor([0.02])
+    fp8 = {name: (batch[name].float() / scale).to(torch.float8_e4m3fn) for name in ("k_cache", "v_cache")}
+    offsets.clear()
+    paged_attention(**{**batch, **fp8}, scale=32**-0.5, key=key, value=value, k_scale=scale, v_scale=scale, **hints)
+    assert len(offsets) == 1
 
 
 def spy_on_copies(monkeypatch) -> list[torch.Tensor]:
@@ -188,6 +202,7 @@ def test_engine_copies_context_rows_and_keeps_its_tokens(kv_cache_dtype, monkeyp
     results = []
     copied = spy_on_copies(monkeypatch)
     monkeypatch.setattr(pa, "CONTEXT_MIN_Q", 32)
+    monkeypatch.setattr(pa, "CONTEXT_MIN_RUN", 0)  # runs of any length
     for min_tokens in (64, 1 << 30):
         monkeypatch.setattr(pa, "CONTEXT_MIN_TOKENS", min_tokens)
         model = make_model("qwen3", num_hidden_layers=1, dtype=torch.float16)
@@ -220,6 +235,7 @@ def test_context_rows_under_preemption(mode, monkeypatch):
 
     prompts = random_prompts([150, 130, 110], seed=12)
     monkeypatch.setattr(pa, "CONTEXT_MIN_Q", 16)
+    monkeypatch.setattr(pa, "CONTEXT_MIN_RUN", 0)  # runs of any length
     # 32-key prompt tiles for these 16-dim heads (64 by default): the chunks of this small pool hold whole tiles
     monkeypatch.setattr(attention_config, "SMALL_HEAD_PROMPT_TILE", (64, 32, 4, 2))
     copied = spy_on_copies(monkeypatch)
@@ -290,6 +306,7 @@ def test_context_rows_with_overlapped_steps_callers_and_changed_weights(monkeypa
 
     calls = [random_prompts([200, 40, 110], seed=21), random_prompts([180, 9], seed=22)]
     monkeypatch.setattr(pa, "CONTEXT_MIN_Q", 32)
+    monkeypatch.setattr(pa, "CONTEXT_MIN_RUN", 0)  # runs of any length
     copied = spy_on_copies(monkeypatch)
     results = []
     for min_tokens in (64, 1 << 30):
