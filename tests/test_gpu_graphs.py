@@ -295,7 +295,9 @@ def test_short_prompt_variant_replays_equal_their_forward(monkeypatch):
     on the same inputs with the hint that graph was captured with."""
     from hfpaged.model.cuda_graphs import StepGraphs
 
-    model = make_model("qwen3", dtype=torch.bfloat16, head_dim=128, max_position_embeddings=4096).cuda()  # 128-dim heads: two prompt tiles
+    model = make_model(
+        "qwen3", dtype=torch.bfloat16, head_dim=128, max_position_embeddings=4096
+    ).cuda()  # 128-dim heads: two prompt tiles
     hfpaged.patch(model, num_blocks=1024, block_size=16, max_num_seqs=16, max_num_batched_tokens=2048)
     runner = model._hfpaged.engine.runner
     replay, checked = StepGraphs.replay, []

@@ -212,6 +212,7 @@ def test_mixed_graphs_out_of_memory_keeps_the_decode_graphs(monkeypatch):
     def capture(graphs, forward):
         if graphs.mixed:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
         def replay(bucket, num_sampled, max_seqlen_q=None):  # the graph the step would replay: its hint too
             return forward(graphs._views(bucket, graphs.variant_hint(bucket, max_seqlen_q)))[:num_sampled]
 

@@ -211,7 +211,9 @@ class StepGraphs:
                     try:
                         entry = self._capture_one(forward, bucket, pool, stream, shared, hint)
                     except RuntimeError as error:
-                        logger.info("hfpaged: capture of bucket %d failed without a warm-up (%s); retrying", bucket, error)
+                        logger.info(
+                            "hfpaged: capture of bucket %d failed without a warm-up (%s); retrying", bucket, error
+                        )
                         self.capture_retries += 1
                         # the retry and the buckets after it capture into a fresh pool, on a fresh stream (the failed
                         # capture may have left its own half-used)
