@@ -12,7 +12,7 @@ the prefill-tile hint of mixed graphs, stale block-table columns) is checked tok
 import numpy as np
 import pytest
 import torch
-from models import make_model, random_prompts, reference_generate
+from models import generate_in_threads, make_model, random_prompts, reference_generate
 
 import hfpaged
 from hfpaged.engine import Engine
@@ -223,3 +223,47 @@ def test_mixed_graphs_out_of_memory_keeps_the_decode_graphs(monkeypatch):
     assert [r.token_ids for r in results] == expected
     assert runner.mixed_graphs is None and not runner.use_mixed_graphs and runner.use_graphs
     assert runner.graphs is not None and runner.num_graph_steps > 0 and runner.num_eager_steps > 0
+
+
+@pytest.mark.slow
+def test_short_prompt_variants_under_preemption_threads_and_changed_weights(monkeypatch):
+    """The short-prompt variants (hint forced to 16, Triton attention interpreted) with a pool too small for the batch
+    (recompute, then swap preemption), callers in threads, and weights changed in place: greedy equals stock
+    generate throughout, and both kinds of mixed graph serve steps."""
+    pytest.importorskip("triton")
+    from hfpaged.model import runner as runner_module
+    from hfpaged.model.cuda_graphs import StepGraphs
+
+    monkeypatch.setattr(runner_module, "short_prompt_hint", lambda layers: 16)
+    variant_hint, hints = StepGraphs.variant_hint, []
+
+    def recording(self, bucket, max_seqlen_q):
+        hint = variant_hint(self, bucket, max_seqlen_q)
+        if self.mixed:
+            hints.append(hint)
+        return hint
+
+    monkeypatch.setattr(StepGraphs, "variant_hint", recording)
+    model = make_model("qwen3", seed=7)
+    prompts = random_prompts([3, 17, 9, 33, 5, 24, 12, 40, 7], seed=13)
+    expected = reference_generate(model, prompts, max_new_tokens=10, do_sample=False)
+    options = dict(num_blocks=20, block_size=4, max_num_seqs=6, max_num_batched_tokens=32, attention_backend="triton")
+    for mode in ("recompute", "swap"):
+        hfpaged.patch(model, **options, preemption_mode=mode)
+        replay_eagerly(model)
+        hints.clear()
+        assert [r.token_ids for r in model.generate_many(prompts, max_new_tokens=10, do_sample=False)] == expected
+        stats = hfpaged.stats(model)
+        assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == stats["num_blocks"], mode
+        assert 16 in hints and None in hints, mode
+    assert generate_in_threads(model, prompts, max_new_tokens=10, do_sample=False) == [expected[i::3] for i in range(3)]
+    with torch.no_grad():  # changed in place while patched: the next steps (both kinds of mixed graph) use it
+        model.model.layers[0].mlp.down_proj.weight.mul_(-2.0)
+        model.model.layers[1].self_attn.k_proj.weight.add_(0.05)
+    hints.clear()
+    short = [0, 2, 4, 6, 8]  # prompts of 3-12 tokens: the first step (32 tokens, runs <= 12) replays the variant
+    got = [r.token_ids for r in model.generate_many([prompts[i] for i in short], max_new_tokens=10, do_sample=False)]
+    assert 16 in hints and None in hints
+    hfpaged.unpatch(model)
+    changed = reference_generate(model, [prompts[i] for i in short], max_new_tokens=10, do_sample=False)
+    assert changed != [expected[i] for i in short] and got == changed
