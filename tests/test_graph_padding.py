@@ -38,6 +38,21 @@ def replay_eagerly(model, attention=None):
     return runner
 
 
+def record_variant_hints(monkeypatch) -> list[tuple[int, int | None, int | None]]:
+    """(bucket, longest query run, hint of the graph chosen) of every mixed-graph choice from now on
+    (``StepGraphs.variant_hint``; a step asks once for its replay and once for its in-graph argmax)."""
+    variant_hint, chosen = StepGraphs.variant_hint, []
+
+    def recording(self, bucket, max_seqlen_q):
+        hint = variant_hint(self, bucket, max_seqlen_q)
+        if self.mixed:
+            chosen.append((bucket, max_seqlen_q, hint))
+        return hint
+
+    monkeypatch.setattr(StepGraphs, "variant_hint", recording)
+    return chosen
+
+
 def test_token_and_batch_buckets():
     assert token_buckets(8192) == [16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
     assert token_buckets(100) == [16, 32, 64, 100]
@@ -99,18 +114,7 @@ def test_short_prompt_variants_replay_for_short_runs(kernel, monkeypatch):
             return paged_attention(*args, **kwargs)
 
     runner = replay_eagerly(model, attend)
-    replay_hints = []
-
-    def recording(self, bucket, max_seqlen_q):
-        hint = variant_hint(self, bucket, max_seqlen_q)
-        if self.mixed:
-            replay_hints.append((bucket, max_seqlen_q, hint))
-        return hint
-
-    from hfpaged.model.cuda_graphs import StepGraphs
-
-    variant_hint = StepGraphs.variant_hint
-    monkeypatch.setattr(StepGraphs, "variant_hint", recording)
+    replay_hints = record_variant_hints(monkeypatch)
     results = model.generate_many(prompts, max_new_tokens=6, do_sample=False)
     assert [r.token_ids for r in results] == expected
     assert runner.mixed_graphs.short_hint == 8 and runner.mixed_graphs.short_buckets == [16, 32, 48]
@@ -232,18 +236,9 @@ def test_short_prompt_variants_under_preemption_threads_and_changed_weights(monk
     generate throughout, and both kinds of mixed graph serve steps."""
     pytest.importorskip("triton")
     from hfpaged.model import runner as runner_module
-    from hfpaged.model.cuda_graphs import StepGraphs
 
     monkeypatch.setattr(runner_module, "short_prompt_hint", lambda layers: 16)
-    variant_hint, hints = StepGraphs.variant_hint, []
-
-    def recording(self, bucket, max_seqlen_q):
-        hint = variant_hint(self, bucket, max_seqlen_q)
-        if self.mixed:
-            hints.append(hint)
-        return hint
-
-    monkeypatch.setattr(StepGraphs, "variant_hint", recording)
+    chosen = record_variant_hints(monkeypatch)
     model = make_model("qwen3", seed=7)
     prompts = random_prompts([3, 17, 9, 33, 5, 24, 12, 40, 7], seed=13)
     expected = reference_generate(model, prompts, max_new_tokens=10, do_sample=False)
@@ -251,19 +246,19 @@ def test_short_prompt_variants_under_preemption_threads_and_changed_weights(monk
     for mode in ("recompute", "swap"):
         hfpaged.patch(model, **options, preemption_mode=mode)
         replay_eagerly(model)
-        hints.clear()
+        chosen.clear()
         assert [r.token_ids for r in model.generate_many(prompts, max_new_tokens=10, do_sample=False)] == expected
         stats = hfpaged.stats(model)
         assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == stats["num_blocks"], mode
-        assert 16 in hints and None in hints, mode
+        assert {16, None} <= {hint for *_, hint in chosen}, mode
     assert generate_in_threads(model, prompts, max_new_tokens=10, do_sample=False) == [expected[i::3] for i in range(3)]
     with torch.no_grad():  # changed in place while patched: the next steps (both kinds of mixed graph) use it
         model.model.layers[0].mlp.down_proj.weight.mul_(-2.0)
         model.model.layers[1].self_attn.k_proj.weight.add_(0.05)
-    hints.clear()
+    chosen.clear()
     short = [0, 2, 4, 6, 8]  # prompts of 3-12 tokens: the first step (32 tokens, runs <= 12) replays the variant
     got = [r.token_ids for r in model.generate_many([prompts[i] for i in short], max_new_tokens=10, do_sample=False)]
-    assert 16 in hints and None in hints
+    assert {16, None} <= {hint for *_, hint in chosen}
     hfpaged.unpatch(model)
     changed = reference_generate(model, [prompts[i] for i in short], max_new_tokens=10, do_sample=False)
     assert changed != [expected[i] for i in short] and got == changed
