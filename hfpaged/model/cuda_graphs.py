@@ -81,11 +81,13 @@ def _end_failed_capture(device: torch.device, pool) -> None:
 def short_prompt_hint(layers) -> int | None:
     """The hint of the mixed graphs' short-prompt variants for these attention layers (``LayerRecord``), or None
     where no layer's prompt tiles depend on the query run length."""
-    from ..kernels.attention_config import short_prompt_hint as layer_hint  # CUDA graphs run the Triton kernels
+    from ..kernels._checks import next_power_of_2  # CUDA graphs run the Triton kernels
+    from ..kernels.attention_config import short_prompt_hint as layer_hint
 
     for layer in layers:
-        group, head_dim = layer.num_heads // layer.num_kv_heads, max(layer.head_dim, layer.head_dim_v)
-        hint = layer_hint(group=group, head_dim_pad=1 << (head_dim - 1).bit_length(), elem_size=layer.dtype.itemsize)
+        head_dim_pad = next_power_of_2(max(layer.head_dim, layer.head_dim_v))  # as paged_attention pads it
+        group = layer.num_heads // layer.num_kv_heads
+        hint = layer_hint(group=group, head_dim_pad=head_dim_pad, elem_size=layer.dtype.itemsize)
         if hint is not None:
             return hint
     return None
