@@ -27,7 +27,8 @@ per prompt, prefix caching off for both, and (--sections parity) the share of 32
 greedy tokens in bf16 equal stock generate's (each prompt alone), next to the same share between stock
 generate with eager attention and with sdpa as a yardstick, and (--sections prefill) the long workload's prompts
 prefilled alone (one new token each): TFLOP/s with attention FLOPs counted, as a share of the dense bf16 matmul
-peak measured in the same process.
+peak measured in the same process. --kv-cache-dtype fp8 runs hfpaged's batch-1 and workload runs over an fp8 KV
+cache (the peers are unchanged; not token-exact, so the parity section keeps the model's dtype).
 """
 
 from __future__ import annotations
@@ -582,8 +583,9 @@ def bench_model(name, args, bandwidth):
     if cold is not None:
         res["cold_start"] = cold
 
+    options = dict(max_num_seqs=args.max_num_seqs, compile=args.compile, kv_cache_dtype=args.kv_cache_dtype)
     if "latency" in args.sections:
-        hfpaged.patch(model, max_num_seqs=args.max_num_seqs, compile=args.compile)
+        hfpaged.patch(model, **options)
         try:
             # the median of --repeats runs (a run right after the captures sometimes lands 8-23% slower)
             runs = [batch1_latency(model) for _ in range(args.repeats)]
@@ -604,7 +606,7 @@ def bench_model(name, args, bandwidth):
             kind, {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(out_lens)}
         )
         # hfpaged (warm-up first: graph capture, Triton compile)
-        hfpaged.patch(model, max_num_seqs=args.max_num_seqs, compile=args.compile)
+        hfpaged.patch(model, **options)
         try:
             run_hfpaged(model, prompts[:32], [8] * 32)
             # KV slot usage from a run of its own: its per-step sums over the running requests are host work
@@ -864,6 +866,12 @@ def main(argv=None):
         action=argparse.BooleanOptionalAction,
         default=None,
         help="patch(compile=...): default None (compiled layers on CUDA); --no-compile: eager layers",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        help="patch(kv_cache_dtype=...) of hfpaged's latency and workload runs (default auto: the model's dtype)",
     )
     parser.add_argument("--out", default="bench_out", help="folder for benchmark.json and benchmark.png")
     args = parser.parse_args(argv)
