@@ -187,15 +187,12 @@ class StepGraphs:
         )
 
     @torch.inference_mode()
-    def capture(
-        self, forward: Callable[[DeviceStep], torch.Tensor], before_capture: Callable[[], None] | None = None
-    ) -> None:
+    def capture(self, forward: Callable[[DeviceStep], torch.Tensor]) -> None:
         """Capture ``forward`` for every bucket (largest first, one shared pool). Only the first (largest) bucket
         warms up outside the capture, twice (lazy initialisation, torch.compile, cuBLAS's first use of the
         stream); later buckets only meet a new shape and are captured straight away (a graph start spends ~20 ms
         of host time per warm-up call, ~1 s over both ladders), unless that capture fails: then they warm up once
-        and capture again (``warm_smallest``: the smallest warms up once first). ``before_capture()`` runs after
-        the first warm-up and before the first capture (the runner joins its kernel warm-up there)."""
+        and capture again (``warm_smallest``: the smallest warms up once first)."""
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         shared = None  # mixed: the one logits buffer every graph copies into (outside the graph pool)
@@ -209,8 +206,6 @@ class StepGraphs:
                     if self.mixed:
                         shared = torch.empty_like(logits)
                     del logits
-                    if before_capture is not None:
-                        before_capture()
                     entry = self._capture_one(forward, bucket, pool, stream, shared)
                 else:
                     if self.warm_smallest and bucket == self.buckets[0]:

@@ -30,7 +30,6 @@ from .cuda_graphs import StepGraphs, short_prompt_hint
 from .fused_projections import fused_step
 from .gc_heap import HeapFreeze
 from .input_batch import DeviceStep, HostStep, InputBatch, device_views, padded_width, region_slices
-from .kernel_warmup import BackgroundWarmup, warm_up_kernels
 from .kv_quant import as_bytes
 from .tp_local import local_step
 
@@ -74,10 +73,7 @@ class ModelRunner:
         self._compiled = None
         self._compile_cache = None  # compile: the on-disk artifacts (compile_cache.py), found at first use
         self._warmed = False
-        # Triton's kernel variants, compiled beside the first layer compile; joined before the first capture or
-        # eager forward (kernel_warmup.py)
-        self.kernel_warmup = BackgroundWarmup(functools.partial(warm_up_kernels, self.state, self.device), self.device)
-        self.warm_kernels = state.use_triton and self.device.type == "cuda"
+        self.warmup_seconds = 0.0  # the Triton kernel warm-up's wall time (CUDA; cold start diagnostics)
         self.capture_seconds = {"decode": 0.0, "mixed": 0.0}  # graph capture wall time, compiles included
         self.num_graph_steps = 0
         self.num_eager_steps = 0
@@ -99,7 +95,6 @@ class ModelRunner:
 
     def drop_graphs(self) -> None:
         """Forget captured graphs and compiled code (they baked in the old weights' addresses)."""
-        self.kernel_warmup.wait()  # a warm-up still running reads the caches
         if self.device.type == "cuda" and (self.graphs is not None or self.mixed_graphs is not None):
             torch.cuda.synchronize(self.device)  # a replay may still run: its pool must not be reused under it
         self.graphs = None
@@ -121,9 +116,7 @@ class ModelRunner:
         if out.is_empty:
             return None
         if not self._warmed:
-            self._warmed = True
-            if self.warm_kernels:
-                self.kernel_warmup.start()
+            self.warmup()
         logits, host, greedy = self._forward_step(out)
         plain = all_plain_greedy(host.sample_states)
         if (
@@ -150,7 +143,6 @@ class ModelRunner:
             self.num_graph_steps += 1
             logits = graphs.replay(bucket, host.num_sampled, host.max_seqlen_q)
             return logits, host, graphs.greedy_tokens(bucket, host.num_sampled, host.max_seqlen_q)
-        self.kernel_warmup.finish()  # an eager forward compiles what it launches: after the warm-up, not beside it
         host = self.batch.pack(out.scheduled, self.previous)
         buffer = self._stage(host.packed).to(self.device, non_blocking=True)
         self._fill_pending(buffer[region_slices(host.num_tokens, host.num_reqs)["input_ids"]], host.pending)
@@ -222,10 +214,47 @@ class ModelRunner:
             logits = logits.index_select(0, keep.to(logits.device)) if isinstance(keep, torch.Tensor) else logits
         return logits
 
-    @property
-    def warmup_seconds(self) -> float:
-        """The Triton kernel warm-up's wall time (CUDA; cold start diagnostics; it overlaps the first compile)."""
-        return self.kernel_warmup.seconds
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Compile the Triton kernel variants a run will meet up front (see ``kernels/warmup.py``)."""
+        self._warmed = True
+        if not self.state.use_triton or self.device.type != "cuda":
+            return
+        from ..kernels.warmup import warm_up
+
+        start = time.perf_counter()
+
+        seen = set()
+        scales = self.state.kv_scales or [None] * len(self.state.layers)
+        for layer, (k_cache, v_cache), layer_scales in zip(self.state.layers, self.state.kv_caches, scales):
+            key = (
+                layer.num_heads,
+                layer.num_kv_heads,
+                layer.head_dim,
+                layer.head_dim_v,
+                layer.dtype,
+                layer.sliding_window,
+                layer.softcap,
+            )
+            if key in seen:
+                continue
+            seen.add(key)
+            warm_up(
+                k_cache,
+                v_cache,
+                num_heads=layer.num_heads,
+                sliding_window=layer.sliding_window,
+                softcap=layer.softcap,
+                max_num_seqs=self.config.max_num_seqs,
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                column_multiple=padded_width(1),
+                dtype=layer.dtype,
+                kv_scales=None if layer_scales is None else (layer_scales[0:1], layer_scales[1:2]),
+                launch_pdl=self.state.dependent_launch,
+            )
+        self.state.fused_projections.warm_up_gemv()
+        torch.cuda.synchronize(self.device)
+        self.warmup_seconds = time.perf_counter() - start
 
     def _graph_forward(self, step: DeviceStep, mixed: bool = False) -> torch.Tensor:
         """The forward a CUDA graph captures: decode (every row sampled) or mixed (``step.logits_indices``), with
@@ -323,10 +352,8 @@ class ModelRunner:
 
     def _capture(self, graphs: StepGraphs, forward) -> bool:
         try:
-            graphs.capture(forward, before_capture=self.kernel_warmup.finish)
+            graphs.capture(forward)
         except RuntimeError as error:  # e.g. a layer that synchronizes (some quantized matmuls)
-            if error is self.kernel_warmup.raised:
-                raise  # the kernel warm-up's own error, as if it had run in this thread
             if graphs.mixed and isinstance(error, torch.OutOfMemoryError):  # the decode graphs may well fit
                 logger.warning("hfpaged: the mixed-step CUDA graphs do not fit (%s); those steps run eagerly", error)
                 self.use_mixed_graphs = False
