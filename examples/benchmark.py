@@ -838,6 +838,8 @@ def plot(results, path):
 
 
 def main(argv=None):
+    from hfpaged.core.config import KV_CACHE_DTYPES
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "llama-3.2-1b"], choices=list(MODELS))
     parser.add_argument("--workloads", nargs="*", default=["nano", "chat"], choices=list(WORKLOADS))
@@ -870,7 +872,7 @@ def main(argv=None):
     parser.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        choices=KV_CACHE_DTYPES,
         help="patch(kv_cache_dtype=...) of hfpaged's latency and workload runs (default auto: the model's dtype)",
     )
     parser.add_argument("--out", default="bench_out", help="folder for benchmark.json and benchmark.png")
