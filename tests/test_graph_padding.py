@@ -27,15 +27,21 @@ def replay_eagerly(model, attention=None):
         runner.attention_fn = attention
 
     def capture(graphs, forward):
-        def replay(bucket, num_sampled, max_seqlen_q=None):  # the graph the step would replay: its hint too
-            return forward(graphs._views(bucket, graphs.variant_hint(bucket, max_seqlen_q)))[:num_sampled]
-
-        graphs.replay = replay
+        replay_forward_eagerly(graphs, forward)
         return True
 
     runner._capture = capture
     runner.use_graphs = True
     return runner
+
+
+def replay_forward_eagerly(graphs, forward):
+    """``graphs.replay`` runs ``forward`` on the views of the graph the step would replay (its hint too)."""
+
+    def replay(bucket, num_sampled, max_seqlen_q=None):
+        return forward(graphs._views(bucket, graphs.variant_hint(bucket, max_seqlen_q)))[:num_sampled]
+
+    graphs.replay = replay
 
 
 def record_variant_hints(monkeypatch) -> list[tuple[int, int | None, int | None]]:
@@ -216,11 +222,7 @@ def test_mixed_graphs_out_of_memory_keeps_the_decode_graphs(monkeypatch):
     def capture(graphs, forward):
         if graphs.mixed:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-
-        def replay(bucket, num_sampled, max_seqlen_q=None):  # the graph the step would replay: its hint too
-            return forward(graphs._views(bucket, graphs.variant_hint(bucket, max_seqlen_q)))[:num_sampled]
-
-        graphs.replay = replay
+        replay_forward_eagerly(graphs, forward)
 
     monkeypatch.setattr(StepGraphs, "capture", capture)
     results = model.generate_many(prompts, max_new_tokens=6, do_sample=False)
