@@ -1,5 +1,6 @@
 import os
 
+import fast_interpreter
 import pytest
 import torch
 
@@ -9,6 +10,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CUDA = torch.cuda.is_available()
+
+
+# Without CUDA the kernels run in Triton's interpreter: skip its repeated per-launch lookups (fast_interpreter.py)
+fast_interpreter.install()
 
 # HFPAGED_TEST_COMPILE=0 / =1: every patch() that does not say otherwise runs with compile=False / compile=True
 # instead of the default (None: compiled layers on CUDA), e.g. the GPU suite once more with eager layers
