@@ -174,4 +174,5 @@ def _end_streamer_after(streamer: Any, error: BaseException) -> None:
     try:
         streamer.end()
     except Exception as end_error:
-        error.add_note(f"(the streamer's end() also failed: {type(end_error).__name__}: {end_error})")
+        if hasattr(error, "add_note"):  # Python 3.11+
+            error.add_note(f"(the streamer's end() also failed: {type(end_error).__name__}: {end_error})")

@@ -630,6 +630,43 @@ def test_cli_arguments():
         build_parser().parse_args(["serve", "--dtype", "int3"])
 
 
+@pytest.mark.parametrize("no_freeze", [False, True], ids=["default", "no-freeze-gc"])
+def test_serve_command_freezes_the_heap_unless_told_not_to(tokenizer, monkeypatch, no_freeze):
+    # `hfpaged serve` patches with freeze_gc and freezes the heap once after its warm-up; --no-freeze-gc does neither
+    import gc
+    import importlib
+
+    cli = importlib.import_module("hfpaged.serve.cli")
+    patch_module = importlib.import_module("hfpaged.patch")
+    small = make_model("llama", vocab_size=len(tokenizer), seed=3)
+    patched, events = [], []
+    real_patch = patch_module.patch
+
+    def recording_patch(model, **kwargs):
+        patched.append(kwargs)
+        return real_patch(model, **kwargs)
+
+    class InterruptedServer:
+        def __init__(self, *args, **kwargs):
+            self.serving, self.url = type("S", (), {"model_name": "m"}), "http://x"
+
+        def run(self):
+            events.append("run")
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "load_model", lambda path, device, dtype: (small, tokenizer))
+    monkeypatch.setattr(patch_module, "patch", recording_patch)
+    monkeypatch.setattr(cli, "Server", InterruptedServer)
+    monkeypatch.setattr(gc, "freeze", lambda: events.append("freeze"))
+    monkeypatch.setattr(gc, "unfreeze", lambda: events.append("unfreeze"))
+    flags = ["--no-freeze-gc"] if no_freeze else []
+    cli.serve_command(build_parser().parse_args(["serve", "/models/x", "--num-blocks", "32", *flags]))
+    assert patched[0]["freeze_gc"] is (not no_freeze) and patched[0]["num_blocks"] == 32
+    assert events == (["run", "unfreeze"] if no_freeze else ["freeze", "run", "unfreeze"])
+    assert small.generate_many([[1, 2, 3]], max_new_tokens=2, do_sample=False)[0].finish_reason == "length"
+    hfpaged.unpatch(small)
+
+
 # --- text as tokens arrive ----------------------------------------------------------------------------
 
 

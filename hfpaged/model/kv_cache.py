@@ -78,7 +78,7 @@ def discover_layers(
         raise UnsupportedModelError(
             f"{name} does not route attention through transformers' AttentionInterface "
             "(config._attn_implementation is ignored by its attention code), so hfpaged cannot page its KV cache. "
-            "Falcon, GPT-J and Bloom are known to be unsupported."
+            "Falcon, Bloom and GPT-J before transformers 5.24 are known to be unsupported."
         )
     return context.records
 

@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
         "one engine (as vLLM's --api-server-count)",
     )
     serve.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation before serving")
+    serve.add_argument(
+        "--no-freeze-gc",
+        action="store_true",
+        help="leave the garbage collector alone: no gc.freeze() after CUDA graph captures or the warm-up",
+    )
     serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     return parser
 
@@ -134,6 +139,7 @@ def serve_command(args: argparse.Namespace) -> None:
         enforce_eager=args.enforce_eager,
         compile=args.compile,
         enable_prefix_caching=not args.no_prefix_caching,
+        freeze_gc=not args.no_freeze_gc,
     )
     stats = pool_stats(model)
     print(
@@ -143,7 +149,8 @@ def serve_command(args: argparse.Namespace) -> None:
     )
     if not args.no_warmup:
         print(f"hfpaged: warmed up in {warm_up(model, tokenizer):.1f} s", flush=True)
-        gc.freeze()  # the process serves this model until it exits: keep the GC from scanning it (README, Limits)
+        if not args.no_freeze_gc:
+            gc.freeze()  # the process serves this model until it exits: keep the GC from scanning it (README, Limits)
     server = Server(
         model,
         tokenizer,
@@ -162,7 +169,7 @@ def serve_command(args: argparse.Namespace) -> None:
     except KeyboardInterrupt:  # uvicorn re-raises the signal once it has shut down gracefully
         pass
     finally:
-        gc.unfreeze()  # let interpreter shutdown release what the freeze kept
+        gc.unfreeze()  # let interpreter shutdown release what a freeze kept (a no-op with --no-freeze-gc)
 
 
 def main(argv: list[str] | None = None) -> None:
