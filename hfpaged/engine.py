@@ -26,8 +26,8 @@ from .core.scheduler_output import SchedulerOutput
 from .model.attach import PatchState, get_state, reallocate_caches, release_caches
 from .model.runner import ModelRunner
 from .model.tensor_parallel import TensorParallel, requests_fingerprint
-from .outputs import RequestOutput
-from .prompts import PromptMaker
+from .outputs import RequestOutput, progress_output
+from .prompts import PromptMaker, check_tokenizer
 from .sampling.sampler import StepResult
 
 
@@ -47,6 +47,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(model, state)
         self.prompts = PromptMaker(model, state)
+        self.prompts.in_use = self.scheduler.requests.__contains__  # generated ids skip the ids callers chose
         self.lock = threading.RLock()
         self.in_flight: tuple[SchedulerOutput, StepResult] | None = None  # launched, result not read yet
         self.owners: dict[str, tuple[Client, Request]] = {}  # prompt id -> (client, its first request)
@@ -156,6 +157,15 @@ class EngineCore:
         if not self.scheduler.has_unfinished():
             self.in_flight = None  # its tokens belong to finished requests only
 
+    def abort_everything(self) -> None:
+        """Finish every prompt with reason "abort" and tell its caller (call with the lock held; ``unpatch``): a
+        caller waiting on them (another thread, a suspended stream, an ``Engine`` handle) sees them end."""
+        for prompt_id, (client, root) in list(self.owners.items()):
+            self.abort(prompt_id)
+            client.outbox.extend(progress_output(member, 0) for member in root.members)
+        for request_id in list(self.scheduler.requests):
+            self.abort(request_id)
+
     def sleep(self) -> None:
         """Release the KV pool, CUDA graphs, compiled code and sampling tables; nothing may be running."""
         with self.lock:
@@ -183,6 +193,15 @@ class EngineCore:
         with self.lock:
             if not self.has_unfinished():
                 self.sleep()
+
+    def sleep_if_asked(self) -> None:
+        """At the end of a call: ``sleep_if_idle`` if the config asks for it (nothing if the model was unpatched)."""
+        try:
+            asked = self.state.config.sleep_when_idle
+        except ReferenceError:  # unpatched while the call ran: no state, no pool
+            return
+        if asked:
+            self.sleep_if_idle()
 
     def wake(self) -> None:
         """Allocate the pool again after ``sleep`` (as many blocks as before); a no-op when awake."""
@@ -294,6 +313,7 @@ class Engine(Client):
 
     def __init__(self, model: PreTrainedModel, tokenizer: Any = None):
         super().__init__(engine_of(model))
+        check_tokenizer(tokenizer)
         self.model = model
         self.tokenizer = tokenizer
 
@@ -322,6 +342,14 @@ class Engine(Client):
         """Queue several prompts at once, each with its own generate-style settings (``settings[i]``): all or
         none (a bad prompt or setting raises and queues nothing). The weights are checked once for all of them.
         Returns their ids."""
+        for name, value in (("prompts", prompts), ("settings", settings), ("request_ids", request_ids)):
+            if (value is not None or name != "request_ids") and not isinstance(value, (list, tuple)):
+                raise TypeError(f"add_requests: {name} must be a list, got {type(value).__name__}")
+        bad = next((i for i, kwargs in enumerate(settings) if not isinstance(kwargs, dict)), None)
+        if bad is not None:
+            raise TypeError(
+                f"add_requests: settings[{bad}] must be a dict of settings, got {type(settings[bad]).__name__}"
+            )
         if len(settings) != len(prompts) or (request_ids is not None and len(request_ids) != len(prompts)):
             raise ValueError(
                 f"add_requests needs one settings dict (and request id) per prompt: {len(prompts)} prompts, "
@@ -330,6 +358,7 @@ class Engine(Client):
         self.core.check_weights(self.model)
         with self.core.lock:
             requests, taken = [], set()
+            chosen = {request_id for request_id in request_ids or () if isinstance(request_id, str)}
             for prompt, kwargs, request_id in zip(prompts, settings, request_ids or [None] * len(prompts)):
                 if kwargs.get("streamer") is not None:
                     raise ValueError(
@@ -342,6 +371,8 @@ class Engine(Client):
                     )
                 if request_id is not None and (request_id in self.core.scheduler.requests or request_id in taken):
                     raise ValueError(f"request_id {request_id!r} is already in use")
+                if request_id is None:
+                    request_id = self.core.prompts.new_id(chosen | taken)
                 taken.add(request_id)
                 kwargs = {key: value for key, value in kwargs.items() if key != "streamer"}
                 make = self.core.prompts.make_one

@@ -12,7 +12,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from .core.request import Request
 from .engine import Client, engine_of
 from .outputs import GenerationResult, SequenceOutput
-from .prompts import prompt_list
+from .prompts import check_tokenizer, prompt_list
 
 
 def _sequences(request: Request, tokenizer: Any) -> list[SequenceOutput]:
@@ -73,15 +73,20 @@ def prepare(
     kwargs = dict(kwargs)
     prompts = prompt_list(prompts, kwargs, model.generation_config.pad_token_id)
     core.check_weights(model)
+    check_tokenizer(tokenizer)
     tokenizer = tokenizer if tokenizer is not None else core.state.tokenizer
     requests = core.prompts.make_many(prompts, generation_config, kwargs, tokenizer)
     return Client(core), requests, tokenizer
 
 
 def raise_if_failed(request: Request) -> None:
-    """A prompt that finished with an error (its sampling hit NaN/inf scores) ends the call with that error."""
+    """A prompt that finished with an error ends the call with it: what a callback of its own (logits processor,
+    stopping criterion, ``prefix_allowed_tokens_fn``) raised, as it raised it, or a RuntimeError naming the prompt
+    (its sampling hit NaN/inf scores)."""
     failed = next((m for m in request.members if m.finish_reason == "error"), None)
     if failed is not None:
+        if failed.exception is not None:
+            raise failed.exception
         raise RuntimeError(f"prompt {request.index}: {failed.error}")
 
 
@@ -145,6 +150,11 @@ def generate_many(
             for output in outputs:
                 if output.finish_reason == "error":
                     raise_if_failed(requests[output.index])
+                elif output.finish_reason == "abort":  # only unpatch (or a re-patch) aborts this call's prompts
+                    raise RuntimeError(
+                        "the model was unpatched (or patched again with other settings) while generate_many ran: "
+                        "its prompts were aborted"
+                    )
             if streamer is not None:
                 for output in outputs:
                     streamer.put(torch.tensor(output.new_token_ids))
@@ -162,8 +172,7 @@ def generate_many(
     finally:
         if bar is not None:
             bar.close()
-        if client.core.state.config.sleep_when_idle:
-            client.core.sleep_if_idle()
+        client.core.sleep_if_asked()
     if streamer is not None:
         streamer.end()
     return [build_result(request, tokenizer) for request in requests]

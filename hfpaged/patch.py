@@ -15,6 +15,7 @@ from .engine import EngineCore, engine_of
 from .generate import generate_many
 from .model.attach import attach, detach, get_state
 from .model.peft_compat import inner_model
+from .prompts import check_tokenizer
 from .streaming import astream_many, stream_many
 
 _METHODS = {"generate_many": generate_many, "stream_many": stream_many, "astream_many": astream_many}
@@ -47,6 +48,7 @@ def patch(
     Extra ``options`` are :class:`EngineConfig` fields (``attention_backend``, ``enforce_eager``, ...).
     Patching again with the same settings only updates the tokenizer; other settings re-patch.
     """
+    check_tokenizer(tokenizer)
     unknown = set(options) - EngineConfig.field_names()
     if unknown:
         raise TypeError(f"patch() got unknown options {sorted(unknown)}; valid: {sorted(EngineConfig.field_names())}")
@@ -85,8 +87,7 @@ def unpatch(model: PreTrainedModel) -> PreTrainedModel:
         return model
     if state.engine is not None:
         with state.engine.lock:
-            for request_id in list(state.engine.scheduler.requests):
-                state.engine.abort(request_id)
+            state.engine.abort_everything()  # their callers (threads, streams, Engine handles) see them end
             state.engine.runner.drop_graphs()  # also undoes the runner's gc.freeze() (EngineConfig.freeze_gc)
     for name in _METHODS:
         target.__dict__.pop(name, None)

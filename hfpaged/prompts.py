@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Callable, Container
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -124,6 +125,12 @@ def prompt_list(prompts: Any, kwargs: dict[str, Any], pad_token_id: int | None) 
     return prompts
 
 
+def check_tokenizer(tokenizer: Any) -> None:
+    """TypeError unless ``tokenizer`` is None or has ``decode`` (results and streams are decoded with it)."""
+    if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+        raise TypeError(f"tokenizer must be a transformers tokenizer (with decode()), got {type(tokenizer).__name__}")
+
+
 def to_token_ids(prompt: Any, index: int | None, tokenizer: Any) -> list[int]:
     """One prompt as a list of token ids (a string goes through the tokenizer)."""
     if isinstance(prompt, str):
@@ -220,6 +227,14 @@ class PromptMaker:
         self.stop_string_cache: dict = {}  # StopStringCriteria shared by requests with the same stop strings
         self.resolved_configs = ResolvedConfigCache()  # Engine.add_request's merged configs, across calls
         self._ids = itertools.count()
+        self.in_use: Callable[[str], bool] = lambda request_id: False  # the engine's running ids (EngineCore)
+
+    def new_id(self, reserved: Container[str] = ()) -> str:
+        """A request id nobody uses: ``req-N``, skipping ids a caller chose (running, or ``reserved``)."""
+        while True:
+            request_id = f"req-{next(self._ids)}"
+            if request_id not in reserved and not self.in_use(request_id):
+                return request_id
 
     @property
     def model(self) -> PreTrainedModel:
@@ -311,9 +326,7 @@ class PromptMaker:
                 f"{prompt_name(index)} runs {num_sequences} sequences at once (num_beams / num_return_sequences) but "
                 f"max_num_seqs is {state.config.max_num_seqs}"
             )
-        request = Request(
-            request_id if request_id is not None else f"req-{next(self._ids)}", token_ids, params, index=index
-        )
+        request = Request(request_id if request_id is not None else self.new_id(), token_ids, params, index=index)
         if params.num_beams > 1:
             RequestGroup(
                 request,

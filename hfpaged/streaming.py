@@ -122,8 +122,7 @@ def _stream(client: Client, requests: list[Request], maker: _EventMaker) -> Iter
             yield from maker.events(client.step())
     finally:
         client.abort_all()
-        if client.core.state.config.sleep_when_idle:
-            client.core.sleep_if_idle()
+        client.core.sleep_if_asked()
 
 
 def astream_many(
@@ -157,6 +156,5 @@ async def _astream(client: Client, requests: list[Request], maker: _EventMaker) 
         if running is not None:  # cancelled mid-step: let the step finish before touching the engine
             concurrent.futures.wait([running])
         client.abort_all()
-        if client.core.state.config.sleep_when_idle:
-            client.core.sleep_if_idle()
+        client.core.sleep_if_asked()
         worker.shutdown(wait=False)

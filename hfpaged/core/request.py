@@ -69,6 +69,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None  # why it finished with finish_reason "error"
+        self.exception: BaseException | None = None  # what its own callback (processor, criterion) raised
         self.num_preemptions = 0
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None

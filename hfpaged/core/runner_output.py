@@ -35,6 +35,7 @@ class BeamRound:
     parents: list[int]
     tokens: list[int]
     unfinished: bool
+    error: BaseException | None = None  # the group's processors or criteria raised: the search ends with it
 
 
 @dataclass
@@ -46,6 +47,7 @@ class ModelRunnerOutput:
     logprobs: list[float | None] | None = None  # per row, when some request of the step asked
     top_logprobs: list[dict[int, float] | None] | None = None
     # rows that could not be sampled (NaN/inf probabilities), by request id: their token is meaningless
-    errors: dict[str, str] = field(default_factory=dict)
+    # rows whose own processors raised: the exception (it fails that request only, not the step)
+    errors: dict[str, str | BaseException] = field(default_factory=dict)
     forks: dict[str, list[ForkedSample]] = field(default_factory=dict)  # by parent request id
     beam_rounds: list[BeamRound] = field(default_factory=list)

@@ -67,8 +67,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def finish(self, request: Request, reason: str, error: str | None = None) -> None:
-        """Mark ``request`` finished, release its blocks and drop it from the queues."""
+    def finish(self, request: Request, reason: str | BaseException, error: str | BaseException | None = None) -> None:
+        """Mark ``request`` finished, free its blocks, drop it from the queues (an exception: its callback's)."""
+        if isinstance(reason, BaseException):
+            reason, error = "error", reason
+        if isinstance(error, BaseException):
+            request.exception, error = error, f"{type(error).__name__}: {error}"
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
@@ -362,6 +366,10 @@ class Scheduler:
             return []
         group = root.group
         search = group.beam_search
+        if beam_round.error is not None:  # its processors or criteria raised: the search ends with that error
+            for member in [m for m in group.members if not m.is_finished]:
+                self.finish(member, beam_round.error)
+            return [progress_output(root, 0)]
         if root.first_token_time is None:
             root.first_token_time = time.perf_counter()
         root.num_forks_pending = 0

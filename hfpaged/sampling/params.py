@@ -287,17 +287,17 @@ def _check_supported(config: GenerationConfig) -> None:
     if config.num_beams is not None and config.num_beams > 1 and config.low_memory:
         raise ValueError("generate_many does not support low_memory=True with beam search (nor does generate)")
     if config.do_sample:
-        if config.temperature is not None and config.temperature <= 0:
+        if config.temperature is not None and not (_is_finite(config.temperature) and config.temperature > 0):
             raise ValueError(
-                f"temperature must be > 0 when do_sample=True, got {config.temperature} "
+                f"temperature must be a number > 0 when do_sample=True, got {config.temperature!r} "
                 "(for greedy decoding set do_sample=False)"
             )
-        if config.top_p is not None and not 0.0 < config.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {config.top_p}")
+        if config.top_p is not None and not (_is_finite(config.top_p) and 0.0 < config.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {config.top_p!r}")
         if config.top_k is not None and (not isinstance(config.top_k, int) or config.top_k < 0):
             raise ValueError(f"top_k must be a non-negative int, got {config.top_k!r}")
-        if config.min_p is not None and not 0.0 <= config.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {config.min_p}")
+        if config.min_p is not None and not (_is_finite(config.min_p) and 0.0 <= config.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {config.min_p!r}")
     if config.max_new_tokens is not None and config.max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be > 0, got {config.max_new_tokens}")
     if config.max_length is not None and config.max_length <= 0:

@@ -88,10 +88,12 @@ class StageContext:
         self.device = device
         self.token_counts = TokenCountTable(vocab_size, device)
         self._ids: dict[int, torch.Tensor] = {}
+        self.failures: dict[str, BaseException] = {}  # this step: request id -> what its processor raised
 
     def begin_step(self) -> None:
-        """Forget last step's id tensors (requests have grown since)."""
+        """Forget last step's id tensors (requests have grown since) and failures."""
         self._ids.clear()
+        self.failures = {}
 
     def ids_tensor(self, request: CachedRequestState) -> torch.Tensor:
         """``[1, num_tokens]`` prompt + output ids on the device (built once per step per request)."""
@@ -110,7 +112,12 @@ class HFProcessor:
     def apply(self, scores: torch.Tensor, payloads: list, requests: list, context: StageContext) -> torch.Tensor:
         out = scores.clone()
         for row, (processor, request) in enumerate(zip(payloads, requests)):
-            out[row : row + 1] = processor(context.ids_tensor(request), out[row : row + 1])
+            if request.request_id in context.failures:
+                continue
+            try:
+                out[row : row + 1] = processor(context.ids_tensor(request), out[row : row + 1])
+            except Exception as error:  # a user processor's bug fails its own request, not the step
+                context.failures[request.request_id] = error
         return out
 
 

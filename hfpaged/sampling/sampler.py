@@ -146,6 +146,7 @@ class StepResult:
         self.forks = forks or {}
         self._forked_ids = {child.request_id for children in self.forks.values() for _, child in children}
         self.beam_rounds = beam_rounds or []
+        self.failures: dict[str, BaseException] = {}  # request id -> what its own processor raised
         # everything the host needs, in one copy: the token ids alone, or one float32 row with flags/log-probs
         self._host, self._event = _copy_to_host(tokens if flat is None else flat)
         self._flat = flat is not None
@@ -207,6 +208,10 @@ class StepResult:
             if output.logprobs is not None:
                 output.logprobs = [output.logprobs[row] for row in keep]
                 output.top_logprobs = [output.top_logprobs[row] for row in keep]
+        if self.failures:  # a forked sequence's failure fails its parent (the fork is not made)
+            parent_of = {child.request_id: parent for parent, children in self.forks.items() for _, child in children}
+            for request_id, error in self.failures.items():
+                output.errors[parent_of.get(request_id, request_id)] = error
         return output
 
 
@@ -273,7 +278,11 @@ class Sampler:
             greedy = None
         if not states:
             return StepResult(logits.new_zeros(0, dtype=torch.int64), [], beam_rounds=beam_rounds)
+        if self.context is not None:
+            self.context.failures = {}
         result = self._draw(logits, states, positions, forks, beam_rounds, greedy)
+        if self.context is not None and self.context.failures:
+            result.failures = self.context.failures
         for children in forks.values():  # not kept: the scheduler sends them whole at their first step
             for _, child in children:
                 child.is_finished = True
@@ -350,7 +359,12 @@ def _take_beam_rows(logits, states, positions):
     for j, i in enumerate(beam_rows):
         search = states[i].beam_search
         if search.take_row(states[i].sequence_index, rows[j]):
-            parents, tokens, unfinished = search.advance()
+            try:
+                parents, tokens, unfinished = search.advance()
+            except Exception as error:  # its processors or criteria raised: that search ends, not the step
+                search.forget_rows()
+                rounds.append(BeamRound(search.request_id, [], [], False, error=error))
+                continue
             rounds.append(BeamRound(search.request_id, parents, tokens, unfinished))
     keep = [i for i, s in enumerate(states) if s.beam_search is None]
     if not keep:

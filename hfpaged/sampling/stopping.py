@@ -92,9 +92,10 @@ def build_stop_rules(
     return rules
 
 
-def check_stops(requests: list[Request]) -> list[str | None]:
-    """Why each request (which just gained a token) stops: "stop", "length", "time", or None to go on."""
-    reasons: list[str | None] = [None] * len(requests)
+def check_stops(requests: list[Request]) -> list[str | BaseException | None]:
+    """Why each request (which just gained a token) stops: "stop", "length", "time", or None to go on; or what
+    its own stopping criterion raised (that fails the request, not the step)."""
+    reasons: list[str | BaseException | None] = [None] * len(requests)
     by_criterion: dict[int, tuple[StopStringCriteria, list[int]]] = {}
     now = None
     for i, request in enumerate(requests):
@@ -107,7 +108,12 @@ def check_stops(requests: list[Request]) -> list[str | None]:
             by_criterion.setdefault(id(rules.stop_strings), (rules.stop_strings, []))[1].append(i)
         if rules.criteria is not None:
             ids = torch.tensor([request.all_token_ids], dtype=torch.long)
-            if bool(rules.criteria(ids, None).any()):
+            try:
+                hit = bool(rules.criteria(ids, None).any())
+            except Exception as error:
+                reasons[i] = error
+                continue
+            if hit:
                 reasons[i] = "stop"
                 continue
         if len(request.all_token_ids) >= params.max_length:
