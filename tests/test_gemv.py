@@ -162,8 +162,10 @@ def test_bad_gemv_setting_leaves_the_model_unpatched(monkeypatch):
     with pytest.raises(ValueError, match="gemv must be True, False or None"):
         hfpaged.patch(model, gemv="yes")
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU without the interpreter cannot run the kernel
-    with pytest.raises(ValueError, match="gemv=True runs a Triton kernel"):
+    with pytest.raises(ValueError, match="gemv=True runs Triton kernels"):
         hfpaged.patch(model, num_blocks=32, block_size=4, gemv=True)
+    with pytest.raises(ValueError, match="attention_backend='triton' runs Triton kernels: it needs CUDA devices"):
+        hfpaged.patch(model, num_blocks=32, block_size=4, attention_backend="triton")
     assert not hasattr(model, "_hfpaged")
     assert not any("forward" in module.__dict__ for module in model.modules())
     assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters())

@@ -233,7 +233,9 @@ def _attach(
     if config.dependent_launch:
         check_dependent_launch(layers, config.attention_backend)
     if config.gemv:
-        check_gemv(layers)
+        check_triton_devices(layers, "gemv=True", "leave gemv None or False there")
+    if config.attention_backend == "triton":
+        check_triton_devices(layers, "attention_backend='triton'", "use 'auto' or 'torch' there")
     num_blocks = size_pool(model, config, layers, attn_configs, input_device, model_len, lock)
     if tp is not None:
         num_blocks = tp.min_int(num_blocks)  # a block id names the same slots on every rank
@@ -298,16 +300,16 @@ def check_dependent_launch(layers: list[LayerRecord], attention_backend: str) ->
         check_launch_pdl(True, device, "dependent_launch")
 
 
-def check_gemv(layers: list[LayerRecord]) -> None:
-    """Raise ValueError unless the GEMV can run on every layer's device (``gemv=True`` asks for it): CUDA, or
+def check_triton_devices(layers: list[LayerRecord], option: str, fix: str) -> None:
+    """Raise ValueError unless Triton kernels can run on every layer's device (``option`` asks for them): CUDA, or
     Triton's CPU interpreter."""
     from ..kernels._checks import interpreting
 
     devices = sorted({layer.device for layer in layers}, key=str)
     if any(device.type != "cuda" for device in devices) and not interpreting():
         raise ValueError(
-            f"gemv=True runs a Triton kernel: it needs CUDA devices (or TRITON_INTERPRET=1), got "
-            f"{', '.join(map(str, devices))}; leave gemv None or False there"
+            f"{option} runs Triton kernels: it needs CUDA devices (or TRITON_INTERPRET=1), got "
+            f"{', '.join(map(str, devices))}; {fix}"
         )
 
 
