@@ -103,6 +103,10 @@ def prompt_list(prompts: Any, kwargs: dict[str, Any], pad_token_id: int | None) 
             mask = torch.as_tensor(mask).cpu()
             if tuple(mask.shape) != tuple(prompts.shape):
                 raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but prompts has {tuple(prompts.shape)}")
+            if not bool(((mask == 0) | (mask == 1)).all()):
+                raise ValueError(
+                    f"attention_mask must hold 0 (padding) and 1 (token) only, got {mask.unique().tolist()}"
+                )
             return [[t for t, keep in zip(row, keep_row) if keep] for row, keep_row in zip(rows, mask.tolist())]
         if pad_token_id is not None:
             padded = [i for i, row in enumerate(rows) if pad_token_id in row]

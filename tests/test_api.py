@@ -155,6 +155,7 @@ def test_empty_prompt_list_returns_empty(model):
         ([[4]], {"penalty_alpha": 0.5, "top_k": 4}, "contrastive search"),
         ([[4]], {"not_a_setting": 1}, "unsupported arguments"),
         ("hello", {}, "list of prompts"),
+        (torch.tensor([[4, 5]]), {"attention_mask": torch.tensor([[1, 2]])}, r"must hold 0 \(padding\) and 1"),
         ([[4, 5.5]], {}, "prompt 0 must be a string or a list of int"),
         ([[4]], {"seed": "7"}, "seed must be an int, got '7'"),
         ([[4]], {"num_return_sequences": 0}, "num_return_sequences must be a positive int, got 0"),
