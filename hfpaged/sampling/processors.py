@@ -88,12 +88,11 @@ class StageContext:
         self.device = device
         self.token_counts = TokenCountTable(vocab_size, device)
         self._ids: dict[int, torch.Tensor] = {}
-        self.failures: dict[str, BaseException] = {}  # this step: request id -> what its processor raised
+        self.failures: dict[str, BaseException] = {}  # this step (Sampler.sample resets it): id -> what raised
 
     def begin_step(self) -> None:
-        """Forget last step's id tensors (requests have grown since) and failures."""
+        """Forget last step's id tensors (requests have grown since)."""
         self._ids.clear()
-        self.failures = {}
 
     def ids_tensor(self, request: CachedRequestState) -> torch.Tensor:
         """``[1, num_tokens]`` prompt + output ids on the device (built once per step per request)."""
