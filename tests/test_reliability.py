@@ -193,6 +193,17 @@ def test_a_replaced_parameter_or_submodule_is_seen_by_the_next_call(model):
     assert hfpaged.stats(model)["num_free_blocks"] == hfpaged.stats(model)["num_blocks"]
 
 
+def test_a_buffer_changed_in_place_drops_the_stale_prefix_cache(model):
+    # buffers are part of what a model computes (RoPE's inv_freq here): an in-place change counts as new weights
+    prompts = random_prompts([13, 9], seed=17)
+    shared = [prompts[0] + p for p in prompts]
+    assert exact(model, shared) and exact(model, shared)
+    assert hfpaged.stats(model)["prefix_cache_hits"] > 0  # the second call reused the first call's blocks
+    with torch.no_grad():
+        model.model.rotary_emb.inv_freq.mul_(0.5)
+    assert exact(model, shared)  # computed again with the new buffer, not served from the old blocks
+
+
 def test_weights_changed_while_a_request_runs_never_reach_later_requests_through_the_prefix_cache(model):
     """The running request keeps the K/V it computed with the old weights (documented); when it finishes its
     blocks must not be published, or the next call with the same prompt would reuse old-weight K/V."""

@@ -43,8 +43,9 @@ logger = logging.getLogger("hfpaged")
 
 
 class WeightsVersion:
-    """A cheap fingerprint of what a model computes: where each parameter lives, how often it was written in
-    place, and (PEFT models) which adapters its layers apply.
+    """A cheap fingerprint of what a model computes: where each parameter and buffer lives, how often it was
+    written in place, and (PEFT models) which adapters its layers apply. Writes through ``param.data`` bypass the
+    version counter: after them call ``hfpaged.reset_prefix_cache`` (README, "Changed weights").
 
     The module tree is walked once; each check reads the parameters of the remembered modules directly and
     the identity of every module's children, so a replaced or added submodule still counts as new storage
@@ -64,6 +65,7 @@ class WeightsVersion:
     def read(self, model: torch.nn.Module) -> tuple[tuple[int, ...], tuple[int, ...], tuple]:
         modules = (model, *self.modules)
         params = [p for module in modules for p in module._parameters.values() if p is not None]
+        params += [b for module in modules for b in module._buffers.values() if b is not None]  # e.g. RoPE inv_freq
         return (
             tuple(p.data_ptr() for p in params),
             tuple(p._version for p in params),
