@@ -410,6 +410,10 @@ def test_queue_full_gives_429(one_seq_model, tokenizer, frontend_process):
         assert waiting["out"].usage.completion_tokens == 4
         good_request(client)
         assert metric(srv, "hfpaged_requests_rejected_total", '{status="429"}') == 1
+        # more generations than may ever wait at once: a 400 saying so, not a 429 that no retry would fix
+        with pytest.raises(openai.BadRequestError, match="at most 1 may wait at once"):
+            client.completions.create(model=MODEL_NAME, prompt=["a", "b"], max_tokens=2, temperature=0)
+        good_request(client)
         wait_until_idle(srv)
     stats = hfpaged.stats(one_seq_model)
     assert stats["num_free_blocks"] == stats["num_blocks"]
@@ -443,6 +447,14 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "n": 129}, 400, "n", "less than or equal to 128"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": [[5, 999999]]}, 400, None, "outside the vocabulary"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias", "token ids"),
+    (
+        "/v1/completions",
+        {"model": MODEL_NAME, "prompt": "hi", "logit_bias": {"1_0": 1}},
+        400,
+        "logit_bias",
+        "token ids",
+    ),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "logit_bias": {" 5": 1}}, 400, "logit_bias", "token ids"),
     (
         "/v1/completions",
         {"model": MODEL_NAME, "prompt": "hi", "logit_bias": {"9999": 1}},
@@ -493,6 +505,35 @@ BAD_INPUTS = [
         "logprobs",
     ),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": CHAT, "stream": "yes"}, 400, "stream", "boolean"),
+    # JSON may escape a lone surrogate (json.dumps does; UTF-8 cannot hold one)
+    (
+        "/v1/completions",
+        json.dumps({"model": MODEL_NAME, "prompt": "\ud800 lone"}).encode(),
+        400,
+        "prompt",
+        "surrogate",
+    ),
+    (
+        "/v1/chat/completions",
+        json.dumps({"model": MODEL_NAME, "messages": [{"role": "user", "content": "a \udfff"}]}).encode(),
+        400,
+        "messages[0].content",
+        "not valid Unicode",
+    ),
+    (
+        "/v1/completions",
+        json.dumps({"model": MODEL_NAME, "prompt": "hi", "stop": ["\ud83d"]}).encode(),
+        400,
+        "stop[0]",
+        "lone surrogate",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL_NAME, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        400,
+        "messages[0].content[0].text",
+        "a text part without `text`",
+    ),
     ("/v1/chat/completions", {"model": "nope", "messages": CHAT}, 404, "model", "does not exist"),
     ("/v1/nothing-here", {}, 404, None, "Not Found"),
 ]

@@ -23,11 +23,13 @@ def _content_text(message: ChatMessage, index: int) -> str:
         return message.content or ""
     texts = []
     for part_index, part in enumerate(message.content):
-        if part.type != "text" or part.text is None:
+        where = f"messages[{index}].content[{part_index}]"
+        if part.type != "text":
             raise invalid_request(
-                f"content part type `{part.type}` is not supported: hfpaged serve takes text parts only",
-                param=f"messages[{index}].content[{part_index}]",
+                f"content part type `{part.type}` is not supported: hfpaged serve takes text parts only", param=where
             )
+        if part.text is None:
+            raise invalid_request(f"`{where}` is a text part without `text`", param=f"{where}.text")
         texts.append(part.text)
     return "".join(texts)
 

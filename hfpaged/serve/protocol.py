@@ -115,6 +115,10 @@ def parse_request(raw: bytes, request_type: type[RequestT]) -> RequestT:
         raise invalid_request(f"The request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise invalid_request(f"The request body must be a JSON object, got {type(data).__name__}")
+    for name, value in data.items():
+        where = _invalid_text(value, name)
+        if where is not None:
+            raise invalid_request(f"`{where}` is not valid Unicode text (it holds a lone surrogate)", param=where)
     for name, (what, allowed) in UNSUPPORTED_FIELDS.items():
         if name in data:
             value = data.pop(name)
@@ -124,6 +128,24 @@ def parse_request(raw: bytes, request_type: type[RequestT]) -> RequestT:
         return request_type.model_validate(data)
     except ValidationError as exc:
         raise _validation_error(exc) from None
+
+
+def _invalid_text(value: Any, where: str) -> str | None:
+    """Where in a JSON value a string holds a lone surrogate (JSON allows ``\\ud800``; UTF-8 does not), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+        return None
+    if isinstance(value, dict) and any(_invalid_text(key, where) for key in value):
+        return where
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _invalid_text(item, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}")
+        if found is not None:
+            return found
+    return None
 
 
 def _param(loc: tuple[Any, ...]) -> str:

@@ -103,10 +103,9 @@ def seed_for(request: SamplingRequest, prompt_index: int) -> int | None:
 def _logit_bias(logit_bias: dict[str, float], vocab_size: int) -> dict[int, float]:
     out = {}
     for key, value in logit_bias.items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise invalid_request(f"`logit_bias` keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not (key.isascii() and key.isdigit()):  # plain decimal token ids, as OpenAI's (int() takes " 5", "1_0")
+            raise invalid_request(f"`logit_bias` keys must be token ids, got {key!r}", param="logit_bias")
+        token_id = int(key)
         if not 0 <= token_id < vocab_size:
             raise invalid_request(
                 f"`logit_bias` token id {token_id} is outside the vocabulary [0, {vocab_size})", param="logit_bias"
