@@ -43,7 +43,7 @@ logger = logging.getLogger("hfpaged")
 
 
 class WeightsVersion:
-    """A cheap fingerprint of what a model computes: where each parameter and buffer lives, how often it was
+    """A cheap fingerprint of what a model computes: where each parameter lives, how often it (and each buffer) was
     written in place, and (PEFT models) which adapters its layers apply. Writes through ``param.data`` bypass the
     version counter: after them call ``hfpaged.reset_prefix_cache`` (README, "Changed weights").
 
@@ -62,13 +62,15 @@ class WeightsVersion:
     def _children(self, model: torch.nn.Module) -> tuple[int, ...]:
         return tuple(id(child) for module in (model, *self.modules) for child in module._modules.values())
 
-    def read(self, model: torch.nn.Module) -> tuple[tuple[int, ...], tuple[int, ...], tuple]:
+    def read(self, model: torch.nn.Module) -> tuple[tuple[int, ...], tuple, tuple]:
         modules = (model, *self.modules)
         params = [p for module in modules for p in module._parameters.values() if p is not None]
-        params += [b for module in modules for b in module._buffers.values() if b is not None]  # e.g. RoPE inv_freq
+        # buffers (RoPE's inv_freq, ...): a change counts as new values (cached prefix blocks dropped), not as new
+        # storage - some RoPE variants re-register theirs in forward, and graphs must not be recaptured for that
+        buffers = [b for module in modules for b in module._buffers.values() if b is not None]
         return (
             tuple(p.data_ptr() for p in params),
-            tuple(p._version for p in params),
+            tuple(p._version for p in params) + tuple((b.data_ptr(), b._version) for b in buffers),
             adapter_state(self.adapter_layers),
         )
 
