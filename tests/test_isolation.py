@@ -20,10 +20,8 @@ def model():
 
 def clean(m):
     st = hfpaged.stats(m)
-    return st["num_free_blocks"] == st["num_blocks"] and (st["num_running_requests"], st["num_waiting_requests"]) == (
-        0,
-        0,
-    )
+    idle = st["num_running_requests"] == st["num_waiting_requests"] == 0
+    return idle and st["num_free_blocks"] == st["num_blocks"]
 
 
 def exact(m, prompts):
