@@ -12,6 +12,7 @@ in the call. Settings that are not GenerationConfig fields are ``CallOptions``.
 from __future__ import annotations
 
 import itertools
+import warnings
 import weakref
 from collections.abc import Callable, Container
 from dataclasses import dataclass, fields
@@ -107,7 +108,14 @@ def prompt_list(prompts: Any, kwargs: dict[str, Any], pad_token_id: int | None) 
                 raise ValueError(
                     f"attention_mask must hold 0 (padding) and 1 (token) only, got {mask.unique().tolist()}"
                 )
-            return [[t for t, keep in zip(row, keep_row) if keep] for row, keep_row in zip(rows, mask.tolist())]
+            keeps = mask.tolist()
+            if any(0 in keep_row[keep_row.index(1) :] for keep_row in keeps if 1 in keep_row):
+                warnings.warn(  # generate would attend over the gaps and give other tokens; here each row is unpadded
+                    "attention_mask has padding after tokens (right or inner padding): generate_many drops every "
+                    "masked position and generates from each row's remaining tokens; pad on the left to match generate",
+                    stacklevel=3,
+                )
+            return [[t for t, keep in zip(row, keep_row) if keep] for row, keep_row in zip(rows, keeps)]
         if pad_token_id is not None:
             padded = [i for i, row in enumerate(rows) if pad_token_id in row]
             if padded:

@@ -328,8 +328,14 @@ def test_a_padded_2d_batch_needs_its_attention_mask(model):
     mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1] * 6])
     with pytest.raises(ValueError, match=r"prompt rows \[0\] contain the pad token id 0; pass attention_mask="):
         model.generate_many(batch, max_new_tokens=8, do_sample=False)
-    got = [r.token_ids for r in model.generate_many(batch, attention_mask=mask, max_new_tokens=8, do_sample=False)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # left padding, as generate wants it: no warning
+        got = [r.token_ids for r in model.generate_many(batch, attention_mask=mask, max_new_tokens=8, do_sample=False)]
     assert got == stock(model, prompts)
+    right = torch.tensor([prompts[0] + [0, 0, 0], prompts[1]])
+    with pytest.warns(UserWarning, match="padding after tokens"):
+        got = model.generate_many(right, attention_mask=mask.flip(1), max_new_tokens=8, do_sample=False)
+    assert [r.token_ids for r in got] == stock(model, prompts)  # each row unpadded (generate would differ)
     assert all_free(model)
 
 
