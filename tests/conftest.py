@@ -1,6 +1,7 @@
 import os
 
 import fast_interpreter
+import interpreter_fp8
 import pytest
 import torch
 
@@ -14,6 +15,8 @@ CUDA = torch.cuda.is_available()
 
 # Without CUDA the kernels run in Triton's interpreter: skip its repeated per-launch lookups (fast_interpreter.py)
 fast_interpreter.install()
+# ... and round to fp8 as a GPU does (interpreter_fp8.py)
+interpreter_fp8.install()
 
 # HFPAGED_TEST_COMPILE=0 / =1: every patch() that does not say otherwise runs with compile=False / compile=True
 # instead of the default (None: compiled layers on CUDA), e.g. the GPU suite once more with eager layers
