@@ -39,10 +39,6 @@ DECODE_TILES = {
     2: ((64, 4, 2), (32, 4, 2)),
     1: ((128, 4, 3), (32, 4, 2)),
 }
-# Decode tile (TILE_N, num_warps, num_stages) of e4m3 caches with bf16 queries on Hopper, where both dots run on fp8
-# tensor cores (warpgroup MMAs: BLOCK_M 64; no conversion of the K/V tiles, AttentionConfig.fp8_mma), heads of
-# <= 128 dims; None: such caches take the 1-byte DECODE_TILES entry (dots in fp16 after converting the tiles).
-FP8_MMA_TILE: tuple[int, int, int] | None = (64, 4, 2)
 
 
 @dataclass(frozen=True)
@@ -59,7 +55,6 @@ class AttentionConfig:
     min_split_tiles: int = 1
     split_target_programs: int = 0  # > 0: splits sized on the device so the batch's keys make ~this many programs
     one_query: bool = False  # every sequence has exactly one query token (program i is sequence i: no lookup)
-    fp8_mma: bool = False  # e4m3 caches with bf16 queries, block_m >= 64: fp8 x fp8 dots (ignored otherwise)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -86,16 +81,6 @@ def split_count(active_programs: int, max_seqlen_k: int, sm_count: int, programs
     return max(1, splits)
 
 
-def fp8_mma_supported(q_dtype: torch.dtype, cache_dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether decode steps can run both dots on fp8 tensor cores: an e4m3 cache, bf16 queries (split exactly into
-    two e4m3 terms) and a Hopper GPU (compute capability 9.x: Triton emits e4m3 warpgroup MMAs there; older GPUs and
-    others are not measured and keep the fp16 dots)."""
-    if q_dtype != torch.bfloat16 or cache_dtype != torch.float8_e4m3fn or device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index)[0] == 9
-
-
 def decode_like(max_seqlen_q: int, group: int) -> bool:
     """Whether a batch whose longest query run is ``max_seqlen_q`` uses the decode tiles."""
     return max_seqlen_q * group <= DECODE_MAX_ROWS
@@ -113,21 +98,15 @@ def choose_config(
     max_seqlen_k: int,
     device: torch.device,
     kv_elem_size: int | None = None,
-    fp8_mma: bool = False,
 ) -> AttentionConfig:
     """Pick tiles and the number of context splits from shapes and the host hints (never device values).
 
     ``elem_size`` is the query's element size, ``kv_elem_size`` the cache's (None: the same; 1 for fp8).
-    ``fp8_mma``: the cache is e4m3, the queries bf16 and the GPU has fp8 warpgroup MMAs (``fp8_mma_supported``).
     """
     if decode_like(max_seqlen_q, group):
         block_m = max(16, next_power_of_2(max_seqlen_q * group))
         tiles_key = 1 if kv_elem_size == 1 and elem_size <= 2 else elem_size  # fp32 queries dot in fp32
         tile_n, num_warps, num_stages = DECODE_TILES.get(tiles_key, DECODE_TILES[2])[0 if head_dim_pad <= 128 else 1]
-        mma = fp8_mma and FP8_MMA_TILE is not None and head_dim_pad <= 128
-        if mma:
-            block_m = max(64, block_m)
-            tile_n, num_warps, num_stages = FP8_MMA_TILE
         block_q = max(1, block_m // group)
         active_programs = min(num_tokens, num_seqs * cdiv(max_seqlen_q, block_q)) * num_kv_heads
         sm_count = _sm_count(device)
@@ -135,16 +114,16 @@ def choose_config(
         mid = MID_BATCH_SPLITS.get(tiles_key) if head_dim_pad <= 128 else None
         if mid is not None and mid[0] * sm_count <= active_programs <= mid[1] * sm_count:
             _, _, mid_tile, programs_per_sm, min_tiles, target_per_sm = mid
-            if mid_tile is not None and not mma:
+            if mid_tile is not None:
                 tile_n, num_warps, num_stages = mid_tile
         num_splits = split_count(active_programs, max_seqlen_k, sm_count, programs_per_sm)
         # one query token per sequence (each at most max_seqlen_q = 1, T of them over T sequences): programs map to
         # sequences by their index, without the search over cu_seqlens_q
         one_query = max_seqlen_q == 1 and num_tokens == num_seqs
         if num_splits == 1:
-            return AttentionConfig(block_m, tile_n, num_warps, num_stages, one_query=one_query, fp8_mma=mma)
+            return AttentionConfig(block_m, tile_n, num_warps, num_stages, one_query=one_query)
         return AttentionConfig(
-            block_m, tile_n, num_warps, num_stages, num_splits, min_tiles, target_per_sm * sm_count, one_query, mma
+            block_m, tile_n, num_warps, num_stages, num_splits, min_tiles, target_per_sm * sm_count, one_query
         )
     block_m, tile_n, num_warps, num_stages = prompt_tile(max_seqlen_q, group, head_dim_pad, elem_size)
     return AttentionConfig(block_m, tile_n, num_warps, num_stages, 1)

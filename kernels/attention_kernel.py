@@ -115,7 +115,6 @@ def _paged_attention_kernel(
     ONE_QUERY: tl.constexpr = False,  # one query token per sequence; program i is sequence i (AttentionConfig.one_query)
     STORE_KV: tl.constexpr = False,  # one query token per sequence: write its K/V row into the caches first
     FP8_MAX: tl.constexpr = 0.0,  # STORE_KV into fp8 caches: the format's largest finite value
-    FP8_MMA: tl.constexpr = False,  # e4m3 caches, bf16 queries, BLOCK_M >= 64: fp8 x fp8 dots (no tile conversion)
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -216,26 +215,9 @@ def _paged_attention_kernel(
         other=0.0,
     )
 
-    q_lo = q  # FP8_MMA: the low part of the split query (else unused)
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)  # q . (k8 * k_scale) = (q . k8) * k_scale
-        if FP8_MMA:
-            tl.static_assert(not (STEP_KV or CTX_KV), "FP8_MMA reads keys from the fp8 cache only")
-            # Both dots on fp8 tensor cores (Hopper's e4m3 MMAs), the K and V tiles as loaded: q, scaled by a power
-            # of two so its largest |value| is in [2^7, 2^8), is split into q_hi + q_lo / 16, two e4m3 tensors
-            # whose sum holds each bf16 element exactly (8 significant bits = 4 + 4; elements below ~2^-20 of the
-            # largest lose bits), so q.K^T = q_hi.K^T + q_lo.K^T / 16 loses nothing to the format.
-            q32 = q.to(tl.float32)
-            q_abs = tl.abs(q32)
-            q_max = tl.max(tl.max(tl.where(q_abs < float("inf"), q_abs, 0.0), 1), 0)
-            q_exp = (q_max.to(tl.int32, bitcast=True) >> 23) & 0xFF
-            mult_exp = tl.minimum(tl.maximum(261 - q_exp, 1), 254)  # 2^(7 - (q_exp - 127))
-            q_mult = tl.where(q_max > 1e-30, (mult_exp << 23).to(tl.float32, bitcast=True), 1.0)
-            q_big = q32 * q_mult
-            q = q_big.to(tl.float8e4nv)
-            q_lo = ((q_big - q.to(tl.float32)) * 16.0).to(tl.float8e4nv)
-            qk_scale = qk_scale / q_mult
-        elif FP8_DOT_F16:  # noqa: SIM102 (two compile-time conditions; kept apart for Triton)
+        if FP8_DOT_F16:  # noqa: SIM102 (two compile-time conditions; kept apart for Triton)
             if q_ptr.dtype.element_ty == tl.bfloat16:
                 # fp8 -> fp16 is exact and costs one conversion per two values; fp8 -> bf16 goes through fp16
                 # and costs three (the conversion pipe, not HBM, then bounds the loop). So both dots run in
@@ -260,11 +242,11 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_WINDOW:  # without a window nothing below the causal range is masked: [tile_begin, full_tile_begin) is empty
         acc, m_i, l_i = _attend_tiles(
-            acc, m_i, l_i, q, q_lo, tile_begin, full_tile_begin, q_pos, kv_end, k_head_ptr, v_head_ptr,
+            acc, m_i, l_i, q, tile_begin, full_tile_begin, q_pos, kv_end, k_head_ptr, v_head_ptr,
             block_table_row_ptr, qk_scale, softcap, window,
             stride_k_b, stride_k_s, stride_k_d, stride_v_b, stride_v_s, stride_v_d,
             HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_SIZE, TILE_N,
-            USE_SOFTCAP, USE_WINDOW, True, DOT_PRECISION, FP8_MMA,
+            USE_SOFTCAP, USE_WINDOW, True, DOT_PRECISION,
         )  # fmt: skip
     if STEP_KV:
         # the interior tiles from the first one wholly past the cached context read the step's own rows
@@ -286,11 +268,11 @@ def _paged_attention_kernel(
             v_ctx_desc, qk_scale, softcap, HEAD_DIM_PAD, HEAD_DIM_V_PAD, TILE_N, USE_SOFTCAP, DOT_PRECISION,
         )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, q_lo, gather_begin, step_tile_begin, q_pos, kv_end, k_head_ptr, v_head_ptr,
+        acc, m_i, l_i, q, gather_begin, step_tile_begin, q_pos, kv_end, k_head_ptr, v_head_ptr,
         block_table_row_ptr, qk_scale, softcap, window,
         stride_k_b, stride_k_s, stride_k_d, stride_v_b, stride_v_s, stride_v_d,
         HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_SIZE, TILE_N,
-        USE_SOFTCAP, USE_WINDOW, False, DOT_PRECISION, FP8_MMA,
+        USE_SOFTCAP, USE_WINDOW, False, DOT_PRECISION,
     )  # fmt: skip
     if STEP_KV:
         acc, m_i, l_i = _attend_step_tiles(
@@ -298,18 +280,15 @@ def _paged_attention_kernel(
             v_step_desc, qk_scale, softcap, HEAD_DIM_PAD, HEAD_DIM_V_PAD, TILE_N, USE_SOFTCAP, DOT_PRECISION,
         )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, q_lo, full_tile_end, tile_end, q_pos, kv_end, k_head_ptr, v_head_ptr,
+        acc, m_i, l_i, q, full_tile_end, tile_end, q_pos, kv_end, k_head_ptr, v_head_ptr,
         block_table_row_ptr, qk_scale, softcap, window,
         stride_k_b, stride_k_s, stride_k_d, stride_v_b, stride_v_s, stride_v_d,
         HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_SIZE, TILE_N,
-        USE_SOFTCAP, USE_WINDOW, True, DOT_PRECISION, FP8_MMA,
+        USE_SOFTCAP, USE_WINDOW, True, DOT_PRECISION,
     )  # fmt: skip
 
     if KV_FP8:
-        if FP8_MMA:
-            acc = acc * (tl.load(v_scale_ptr) * 0.00390625)  # and the 256 of P's fp8 terms
-        else:
-            acc = acc * tl.load(v_scale_ptr)  # sum p * (v8 * v_scale): the partial sums l_i are unaffected
+        acc = acc * tl.load(v_scale_ptr)  # sum p * (v8 * v_scale): the partial sums l_i are unaffected
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     if SPLIT:
         row = (token * NUM_HEADS + head) * num_splits + split  # [BLOCK_M] int64

@@ -18,7 +18,6 @@ def _attend_tile(
     m_i,
     l_i,
     q,
-    q_lo,  # FP8_MMA: the low part of q (q = q_hi + q_lo / 16, both e4m3); else unused
     tile,
     q_pos,  # [BLOCK_M] absolute position of each row's query
     kv_end,  # keys at or past this position are never loaded
@@ -44,7 +43,6 @@ def _attend_tile(
     USE_WINDOW: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    FP8_MMA: tl.constexpr,
 ):
     # One TILE_N-key step of the online softmax (log2 domain) for all rows of the program.
     offs_n = tl.arange(0, TILE_N)
@@ -83,15 +81,12 @@ def _attend_tile(
             v = tl.load(v_ptrs)
 
     # fp8 caches: dequantize on load (fp8 -> q's dtype is exact; the per-layer scales are folded into
-    # qk_scale and the final normalisation, so no full-precision copy of the cache exists anywhere); with FP8_MMA
-    # the tiles go to the tensor cores as they are (fp8 x fp8 dots, no conversion)
-    if not FP8_MMA:
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
+    # qk_scale and the final normalisation, so no full-precision copy of the cache exists anywhere)
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     return _online_softmax_step(
-        acc, m_i, l_i, q, q_lo, k, v, k_pos, q_pos, qk_scale, softcap, window, USE_SOFTCAP, USE_WINDOW, MASKED,
-        DOT_PRECISION, FP8_MMA,
-    )  # fmt: skip
+        acc, m_i, l_i, q, k, v, k_pos, q_pos, qk_scale, softcap, window, USE_SOFTCAP, USE_WINDOW, MASKED, DOT_PRECISION
+    )
 
 
 @triton.jit
@@ -100,8 +95,7 @@ def _online_softmax_step(
     m_i,
     l_i,
     q,
-    q_lo,
-    k,  # [HEAD_DIM_PAD, TILE_N] in q's dtype (FP8_MMA: both e4m3)
+    k,  # [HEAD_DIM_PAD, TILE_N] in q's dtype
     v,  # [TILE_N, HEAD_DIM_V_PAD]
     k_pos,  # [TILE_N] key positions
     q_pos,
@@ -112,13 +106,8 @@ def _online_softmax_step(
     USE_WINDOW: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    FP8_MMA: tl.constexpr,
 ):
-    if FP8_MMA:
-        # q = q_hi + q_lo / 16 holds a bf16 query exactly; e4m3 x e4m3 products are exact in fp32
-        s = tl.dot(q, k, tl.dot(q_lo, k) * 0.0625)
-    else:
-        s = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N] fp32
+    s = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N] fp32
     if USE_SOFTCAP:
         s = softcap * _tanh(s * qk_scale)  # already scaled, log2 domain
         mult = 1.0
@@ -137,15 +126,7 @@ def _online_softmax_step(
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s * mult - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if FP8_MMA:
-        # P x 256 (in [0, 256], the factor taken out with v_scale at the end) as the sum of two e4m3 terms: ~8
-        # significant bits for weights down to ~2^-4, an absolute error under 2^-18 below; two fp8 dots into acc
-        p_big = p * 256.0
-        p_hi = p_big.to(v.dtype)
-        p_lo = (p_big - p_hi.to(tl.float32)).to(v.dtype)
-        acc = tl.dot(p_lo, v, tl.dot(p_hi, v, acc * alpha[:, None]))
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # in-place accumulate
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)  # in-place accumulate
     return acc, m_new, l_i
 
 
@@ -176,8 +157,8 @@ def _attend_step_tiles(
         k = k_step_desc.load([row, kv_head, 0]).reshape(TILE_N, HEAD_DIM_PAD).to(q.dtype)  # fp8 rows: as gathered
         v = v_step_desc.load([row, kv_head, 0]).reshape(TILE_N, HEAD_DIM_V_PAD).to(q.dtype)
         acc, m_i, l_i = _online_softmax_step(
-            acc, m_i, l_i, q, q, tl.trans(k), v, tile, tile, qk_scale, softcap, 0,
-            USE_SOFTCAP, False, False, DOT_PRECISION, False,
+            acc, m_i, l_i, q, tl.trans(k), v, tile, tile, qk_scale, softcap, 0,
+            USE_SOFTCAP, False, False, DOT_PRECISION,
         )  # fmt: skip
     return acc, m_i, l_i
 
@@ -188,7 +169,6 @@ def _attend_tiles(
     m_i,
     l_i,
     q,
-    q_lo,
     tile_begin,
     tile_end,
     q_pos,
@@ -215,13 +195,12 @@ def _attend_tiles(
     USE_WINDOW: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    FP8_MMA: tl.constexpr,
 ):
     for tile in range(tile_begin, tile_end):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_lo, tile, q_pos, kv_end, k_head_ptr, v_head_ptr, block_table_row_ptr,
+            acc, m_i, l_i, q, tile, q_pos, kv_end, k_head_ptr, v_head_ptr, block_table_row_ptr,
             qk_scale, softcap, window, stride_k_b, stride_k_s, stride_k_d, stride_v_b, stride_v_s, stride_v_d,
             HEAD_DIM, HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD, BLOCK_SIZE, TILE_N,
-            USE_SOFTCAP, USE_WINDOW, MASKED, DOT_PRECISION, FP8_MMA,
+            USE_SOFTCAP, USE_WINDOW, MASKED, DOT_PRECISION,
         )  # fmt: skip
     return acc, m_i, l_i

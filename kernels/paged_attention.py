@@ -45,7 +45,7 @@ from ._checks import (
     launches_on_first_tensor_gpu,
     next_power_of_2,
 )
-from .attention_config import SHORT_PROMPT_MAX_Q, AttentionConfig, choose_config, fp8_mma_supported
+from .attention_config import SHORT_PROMPT_MAX_Q, AttentionConfig, choose_config
 from .attention_kernel import _paged_attention_kernel
 from .context_rows import (
     context_capacity,
@@ -58,9 +58,6 @@ from .dependent_launch import check_launch_pdl, launch_options
 from .split_merge import _merge_splits_kernel
 from .store_kv import store_kv
 
-# Queries the fp8 x fp8 path splits into two e4m3 terms: exact for bf16 (8 significant bits); fp16 queries keep their
-# top 8 bits (the CPU interpreter, which has no bf16, tests the path with bf16-valued fp16 queries)
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 LOG2E = 1.4426950408889634
 # Context rows (context_rows.py): only in steps of at least this many tokens (a smaller step's copy launch would cost
 # more than it saves), for chunks of at least CONTEXT_MIN_Q query tokens (each context tile is then read by several
@@ -142,7 +139,6 @@ def config_for_batch(
         max_seqlen_q=max(1, max_seqlen_q),
         max_seqlen_k=max_seqlen_k,
         device=k_cache.device,
-        fp8_mma=fp8_mma_supported(q_dtype, k_cache.dtype, k_cache.device),
     )
 
 
@@ -203,8 +199,6 @@ def paged_attention_with_config(
     use_window = sliding_window is not None and sliding_window > 0
     split = config.num_splits > 1
     fp8 = k_cache.dtype in FP8_DTYPES
-    # fp8 x fp8 dots need Hopper's e4m3 MMAs (block_m >= 64: warpgroup MMAs) and a query that splits exactly
-    fp8_mma = config.fp8_mma and k_cache.dtype == torch.float8_e4m3fn and q.dtype in HALF_DTYPES and block_m >= 64
     if split:
         rows = num_tokens * num_heads * config.num_splits
         split_acc = torch.empty(rows * head_dim_v_pad, dtype=torch.float32, device=q.device)
@@ -213,7 +207,7 @@ def paged_attention_with_config(
     else:
         split_acc = split_max = split_sum = out  # unused
     k_desc = v_desc = k_ctx_desc = v_ctx_desc = ctx_offsets = None
-    if step_kv is not None and not split and not fp8_mma:  # else ignored
+    if step_kv is not None and not split:  # else ignored
         if step_kv_usable(q, k_cache, v_cache, *step_kv):
             k_desc, v_desc = (_step_descriptor(t, config.tile_n) for t in step_kv)
         if context_rows > 0 and not use_window and context_rows_usable(q, k_cache, v_cache):
@@ -282,7 +276,6 @@ def paged_attention_with_config(
         ONE_QUERY=config.one_query,
         STORE_KV=store is not None,
         FP8_MAX=FP8_MAX.get(k_cache.dtype, 0.0),
-        FP8_MMA=fp8_mma,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(launch_pdl),

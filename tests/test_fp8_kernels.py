@@ -159,6 +159,31 @@ def test_fp8_reference_store_round_trip_and_saturation(fmt):
     assert k_cache.view(-1, 2, 16)[unused].float().abs().sum() == 0  # slot -1 wrote nothing
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=FMT_IDS)
+def test_fp8_store_kv_rounds_like_the_reference_across_powers_of_two(fmt):
+    # x / scale just below a power of two rounds up into the next binade (7.9 -> 8 in e4m3): the Triton kernel
+    # (compiled, or the CPU interpreter with tests/interpreter_fp8.py) must store the same bytes as torch's cast
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    fp8_max = torch.finfo(fmt).max
+    edges = torch.tensor([2.0**e for e in range(-6, 9) if 2.0**e <= fp8_max])
+    ratios = torch.tensor([0.97, 0.985, 0.999, 1.0, 1.01])
+    base = (edges[:, None] * ratios[None, :]).flatten()
+    base = torch.cat([base, -base, torch.tensor([fp8_max * 1.5, -1e6])])  # saturating too
+    n = base.numel()
+    key = base.repeat(2 * 16).view(2, 16, n).permute(2, 0, 1).contiguous()  # [n, 2 heads, 16]
+    value = (-key).contiguous()
+    k_scale = torch.tensor([0.5], device=DEVICE)
+    v_scale = torch.tensor([2.0], device=DEVICE)
+    key, value = (key * 0.5).to(DEVICE, dtype), (value * 2.0).to(DEVICE, dtype)  # x / scale = base
+    slots = torch.arange(n, dtype=torch.int32, device=DEVICE)
+    caches = [torch.zeros(-(-n // 8), 8, 2, 16, dtype=fmt, device=DEVICE) for _ in range(4)]
+    store_kv(key, value, caches[0], caches[1], slots, k_scale=k_scale, v_scale=v_scale)
+    store_kv_reference(key, value, caches[2], caches[3], slots, k_scale=k_scale, v_scale=v_scale)
+    for ours, ref in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8))
+    assert float(caches[0].view(-1, 2, 16)[n - 1, 0, 0]) == -fp8_max  # saturated, not inf/NaN
+
+
 def test_fp8_argument_errors():
     batch, _ = fp8_batch([1], [10], torch.float8_e4m3fn, torch.float32, num_heads=2, num_kv_heads=1,
                          head_dim=16, block_size=8)  # fmt: skip
