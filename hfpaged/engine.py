@@ -219,6 +219,8 @@ class EngineCore:
         changed, rewired = state.weights.check(model)
         if changed:
             with self.lock:
+                # resize_token_embeddings: prompts and token lists are checked against the vocabulary as it is now
+                state.vocab_size = model.get_input_embeddings().weight.shape[0]
                 self.kv.reset_prefix_cache()
                 if state.kv_scale_source == "calibration":
                     state.recalibrate_when_idle = True

@@ -204,6 +204,27 @@ def test_a_buffer_changed_in_place_drops_the_stale_prefix_cache(model):
     assert exact(model, shared)  # computed again with the new buffer, not served from the old blocks
 
 
+@pytest.mark.parametrize("extra", [40, -20], ids=["grown", "shrunk"])
+def test_resize_token_embeddings_after_patch_is_seen_by_the_next_call(model, extra):
+    # the vocabulary is read again with the new embedding: prompts, token lists and penalty tables follow it
+    assert exact(model, [[5, 6, 7]], repetition_penalty=1.5)  # the penalty table is sized to the old vocabulary
+    old = model.get_input_embeddings().weight.shape[0]
+    model.resize_token_embeddings(old + extra, mean_resizing=False)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[old:].normal_(0, 0.3)
+        model.get_output_embeddings().weight[old:].normal_(0, 1.0)
+    vocab = old + extra
+    prompts = [[t % vocab for t in p] for p in random_prompts([1, 5, 17], seed=2)]
+    top = [vocab - 1, vocab - 2]
+    assert exact(model, prompts)
+    assert exact(model, prompts, suppress_tokens=top, repetition_penalty=1.5)
+    assert exact(model, [[5, vocab - 1, 6]], bad_words_ids=[[vocab - 3]])
+    with pytest.raises(ValueError, match=f"outside the vocabulary \\[0, {vocab}\\)"):
+        model.generate_many([[5, vocab]], max_new_tokens=2)
+    assert all_free(model)
+
+
 def test_weights_changed_while_a_request_runs_never_reach_later_requests_through_the_prefix_cache(model):
     """The running request keeps the K/V it computed with the old weights (documented); when it finishes its
     blocks must not be published, or the next call with the same prompt would reuse old-weight K/V."""

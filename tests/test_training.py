@@ -73,6 +73,20 @@ def test_disabling_switching_and_merging_adapters_between_calls_takes_effect(pef
     assert greedy(peft_model, prompts) == first
 
 
+def test_an_adapter_rescaled_between_calls_is_not_served_from_the_old_prefix_blocks(peft_model):
+    # set_scale / rescale_adapter_scale change what the same weights compute: the prefix cache must not answer
+    from peft.helpers import rescale_adapter_scale
+
+    prompts = random_prompts([13, 13, 21], seed=4)
+    first = stock(peft_model, prompts)
+    assert greedy(peft_model, prompts) == first
+    with rescale_adapter_scale(peft_model, 3.0):
+        scaled = stock(peft_model, prompts)
+        assert scaled != first and greedy(peft_model, prompts) == scaled
+    assert greedy(peft_model, prompts) == first
+    assert hfpaged.stats(peft_model)["num_free_blocks"] == hfpaged.stats(peft_model)["num_blocks"]
+
+
 def test_training_steps_on_the_adapter_are_used_by_the_next_call(peft_model):
     prompts = random_prompts([6, 12, 20], seed=3)
     before = greedy(peft_model, prompts)

@@ -40,7 +40,20 @@ def adapter_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def adapter_state(layers: list[torch.nn.Module]) -> tuple:
-    """What the adapter layers apply now: active adapters, disabled or not, merged adapters."""
+    """What the adapter layers apply now: active adapters, disabled or not, merged adapters, and each adapter's
+    scale (``set_scale``, ``rescale_adapter_scale``: the same weights, other outputs)."""
     return tuple(
-        (tuple(layer.active_adapters), bool(layer.disable_adapters), tuple(layer.merged_adapters)) for layer in layers
+        (
+            tuple(layer.active_adapters),
+            bool(layer.disable_adapters),
+            tuple(layer.merged_adapters),
+            tuple(sorted((name, _scale_key(value)) for name, value in getattr(layer, "scaling", {}).items())),
+        )
+        for layer in layers
     )
+
+
+def _scale_key(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):  # a tensor scale: its storage and in-place writes
+        return (value.data_ptr(), value._version)
+    return value

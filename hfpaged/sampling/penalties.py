@@ -115,6 +115,17 @@ class TokenCountTable:
         self.free_slots.extend(range(capacity - 1, self.capacity - 1, -1))
         self.capacity = capacity
 
+    def resize(self, vocab_size: int) -> None:
+        """Another vocabulary width (``resize_token_embeddings``): counts of the ids both widths hold are kept."""
+        if vocab_size == self.vocab_size:
+            return
+        keep = min(vocab_size, self.vocab_size)
+        prompt_mask = torch.zeros(self.capacity, vocab_size, dtype=torch.bool, device=self.device)
+        output_counts = torch.zeros(self.capacity, vocab_size, dtype=torch.float32, device=self.device)
+        prompt_mask[:, :keep] = self.prompt_mask[:, :keep]
+        output_counts[:, :keep] = self.output_counts[:, :keep]
+        self.prompt_mask, self.output_counts, self.vocab_size = prompt_mask, output_counts, vocab_size
+
     def slots_for(self, requests: list[Any]) -> torch.Tensor:
         """The requests' slots ``[n]`` on the device, after counting every token they gained since last time."""
         slots, new_slots = [], []

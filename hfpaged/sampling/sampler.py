@@ -298,6 +298,7 @@ class Sampler:
         if any(s.params.stages for s in states):
             if self.context is None:
                 self.context = StageContext(scores.shape[-1], scores.device)
+            self.context.token_counts.resize(scores.shape[-1])  # a no-op unless the vocabulary was resized
             self.context.begin_step()
             scores = run_stages(scores, states, self.context)
 
