@@ -6,7 +6,10 @@ at several tiles. Each output against a float64 reference (max |error| / max |re
 Phase 2, engine (unless --kernels-only): Qwen3-0.6B shape, nano-vllm workload, 8 GiB pool: bf16, then fp8 with the
 MMAs off / on alternating (fresh patch each), output tok/s and the greedy tokens' agreement between off and on.
 
-    python notes/results/session26/s26_a.py OUT_DIR [--dry-run] [--kernels-only]
+    python notes/results/session26/s26_a.py OUT_DIR [--dry-run] [--kernels-only] [--slot-minor]
+
+--slot-minor (call 4): also V stored slot-minor ([blocks, kv_heads, D, block_size], a strided view for the kernel),
+today's tile and fp8-MMA tiles on it; the kernel is commit 1841fa3's with FP8_MMA as a level (2: both dots).
 """
 
 import dataclasses
@@ -34,7 +37,16 @@ from hfpaged.kernels.reference import paged_attention_reference  # noqa: E402
 
 H, KVH, D, BS = 16, 8, 128, 16
 FP8 = torch.float8_e4m3fn
-TILES = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (128, 4, 2)] if not DRY else [(32, 4, 2), (64, 4, 2)]
+TILES = [(64, 4, 2)] if "--slot-minor" in sys.argv else [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (128, 4, 2)]
+SLOT_TILES = [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (128, 4, 2)] if "--slot-minor" in sys.argv else []
+if DRY:
+    TILES, SLOT_TILES = [(32, 4, 2)], [(32, 4, 2)]
+
+
+def slot_minor(v):
+    """The same V values stored [blocks, kv_heads, D, block_size] (keys of a block contiguous), viewed as the
+    kernel's [blocks, block_size, kv_heads, D]: K-major for P.V, so fp8 tiles can feed wgmma without a transpose."""
+    return v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
 
 
 def problem(lens, kv_dtype, device, sets, q_dtype):
@@ -96,14 +108,21 @@ def kernels(out_dir, device):
             if kind == "e4m3":
                 for tile in TILES:
                     variants[f"mma {tile}"] = dataclasses.replace(
-                        base, block_m=64, tile_n=tile[0], num_warps=tile[1], num_stages=tile[2], fp8_mma=True
+                        base, block_m=64, tile_n=tile[0], num_warps=tile[1], num_stages=tile[2], fp8_mma=2
                     )
+                variants["slot-minor V today"] = base
+                for tile in SLOT_TILES:
+                    variants[f"slot-minor V mma {tile}"] = dataclasses.replace(
+                        base, block_m=64, tile_n=tile[0], num_warps=tile[1], num_stages=tile[2], fp8_mma=2
+                    )
+            v_slot = slot_minor(v) if kind == "e4m3" else None
             ref = paged_attention_reference(qs[0].double(), k, v, tables[0], sl, cu, scale=D**-0.5,
                                             k_scale=scale, v_scale=scale)  # fmt: skip
             for vname, cfg in variants.items():
+                vv = v_slot if vname.startswith("slot-minor") else v
                 calls = [
-                    lambda t=t, q=q, cfg=cfg: paged_attention_with_config(
-                        q, k, v, t, sl, cu, scale=D**-0.5, config=cfg, k_scale=scale, v_scale=scale
+                    lambda t=t, q=q, cfg=cfg, vv=vv: paged_attention_with_config(
+                        q, k, vv, t, sl, cu, scale=D**-0.5, config=cfg, k_scale=scale, v_scale=scale
                     )
                     for t, q in zip(tables, qs)
                 ]
@@ -113,7 +132,7 @@ def kernels(out_dir, device):
                 tbs = sum(lens) * KVH * D * 2 * kv.itemsize / (us * 1e6) if us else 0.0
                 row[f"{kind} {vname}"] = dict(us=us, tb_s=tbs, rel_err=err, config=dataclasses.asdict(cfg))
                 print(f"{name:16s} {kind} {vname:18s} {us:8.1f} us {tbs:5.2f} TB/s  rel err {err:.2e}", flush=True)
-            del k, v, tables, qs
+            del k, v, v_slot, tables, qs
             if not DRY:
                 torch.cuda.empty_cache()
         rows.append(row)
@@ -122,10 +141,10 @@ def kernels(out_dir, device):
     return rows
 
 
-def best_tile(rows):
+def best_tile(rows, tiles=None, prefix="e4m3 mma"):
     scores = {}
-    for tile in TILES:
-        key = f"e4m3 mma {tile}"
+    for tile in tiles if tiles is not None else TILES:
+        key = f"{prefix} {tile}"
         r = [row["e4m3 today"]["us"] / row[key]["us"] for row in rows if row["batch"] >= 128 and row[key]["us"]]
         scores[tile] = math.exp(sum(map(math.log, r)) / len(r)) if r else 0.0
     print("speed-up over today's e4m3 tile, geometric mean over batch >= 128:", scores, flush=True)
@@ -175,6 +194,8 @@ def main():
     device = "cpu" if DRY else "cuda"
     torch.manual_seed(0)
     rows = kernels(out_dir, device)
+    if SLOT_TILES and not DRY:
+        best_tile(rows, SLOT_TILES, "e4m3 slot-minor V mma")
     if DRY or "--kernels-only" in sys.argv:
         return
     tile, _ = best_tile(rows)
