@@ -142,6 +142,33 @@ def test_abort_while_a_step_is_in_flight_frees_its_blocks_and_the_rest_stay_exac
     assert [r.token_ids for r in model.generate_many(prompts, max_new_tokens=10, do_sample=False)] == expected
 
 
+def test_an_id_reused_right_after_abort_gets_none_of_the_aborted_requests_tokens():
+    # the aborted request's last step is still in flight when a new request takes its id: that step's token
+    # (and logprob) belongs to the old request, never to the new one
+    model = make_model("llama")
+    prompts = random_prompts([7, 12, 9], seed=5)
+    expected = reference_generate(model, prompts, max_new_tokens=8, do_sample=False)
+    hfpaged.patch(model, num_blocks=32, block_size=4)
+    engine = hfpaged.Engine(model)
+    engine.add_request(prompts[0], request_id="other", max_new_tokens=8, do_sample=False)
+    engine.add_request(prompts[1], request_id="x", max_new_tokens=8, do_sample=False)
+    other = []
+    for _ in range(3):
+        other += [t for out in engine.step() if out.request_id == "other" for t in out.new_token_ids]
+    assert engine.core.in_flight is not None
+    engine.abort("x")
+    engine.add_request(prompts[2], request_id="x", max_new_tokens=8, do_sample=False, return_logprobs=True)
+    tokens, logprobs = {"other": other, "x": []}, []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.request_id == "x":
+                logprobs += out.new_logprobs
+    assert tokens["x"] == expected[2] and len(logprobs) == len(expected[2])
+    assert tokens["other"] == expected[0]
+    assert_pool_free(model)
+
+
 def test_overlapped_stop_strings_and_prefix_cache_equal_generate():
     tokenizer = make_tokenizer()
     model = make_model("llama", vocab_size=len(tokenizer), seed=3)

@@ -301,9 +301,9 @@ class Scheduler:
     # --- results ----------------------------------------------------------------------------------
 
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
-        """Append the step's sampled tokens, fork, move beams on, finish what stops; one output per request
-        that gained tokens. Requests finished since the step was scheduled are skipped."""
-        requests = self.requests
+        """Append the step's sampled tokens, fork, move beams on, finish what stops; one output per request that
+        gained tokens. Requests finished since the step was scheduled are skipped (by object: ids may be reused)."""
+        requests = {r.request_id: r.request for r in out.scheduled if self.requests.get(r.request_id) is r.request}
         if self.kv.prefix_cache is not None:  # the step's KV is computed: its full blocks can serve later prompts
             bs = self.kv.block_size
             for item in out.scheduled:
@@ -402,4 +402,4 @@ class Scheduler:
 def _scheduled(request: Request, num_new: int, num_tokens: int) -> ScheduledRequest:
     """``num_new`` of ``request``'s tokens (``num_tokens`` in all, placeholders included) in this step."""
     start = request.num_computed_tokens
-    return ScheduledRequest(request.request_id, start, num_new, samples=start + num_new == num_tokens)
+    return ScheduledRequest(request.request_id, start, num_new, start + num_new == num_tokens, request)

@@ -24,6 +24,7 @@ class ScheduledRequest:
     start: int  # its num_computed_tokens when scheduled: position of its first token this step
     num_tokens: int  # tokens computed this step
     samples: bool  # this step brings it up to date: its last logits are sampled
+    request: Request | None = None  # the request object (an id may be reused once its request has finished)
 
 
 @dataclass
