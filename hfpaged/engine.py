@@ -25,7 +25,7 @@ from .core.scheduler import Scheduler
 from .core.scheduler_output import SchedulerOutput
 from .model.attach import PatchState, get_state, reallocate_caches, release_caches
 from .model.runner import ModelRunner
-from .model.tensor_parallel import TensorParallel, requests_fingerprint
+from .model.tensor_parallel import TensorParallel, plain_settings, requests_fingerprint
 from .outputs import RequestOutput, progress_output
 from .prompts import PromptMaker, check_tokenizer
 from .sampling.sampler import StepResult
@@ -245,8 +245,17 @@ def check_lockstep(tp: TensorParallel, requests: list[Request]) -> None:
                 "max_time cannot be used with a tensor-parallel model: each rank's clock would stop its "
                 "requests at a different step"
             )
-    settings = [
-        (p.max_length, p.do_sample, p.seed, p.num_return_sequences, p.num_beams, p.top_logprobs, len(p.stages))
+    settings = [  # every setting that shapes a request's tokens: its generation config and its processors' data
+        (
+            p.max_length,
+            p.do_sample,
+            p.seed,
+            p.num_return_sequences,
+            p.num_beams,
+            p.top_logprobs,
+            sorted(p.eos_token_ids),
+        )
+        + plain_settings((p.generation_config.to_diff_dict(), [(s.kind.name, s.rank, s.payload) for s in p.stages]))
         for p in (request.params for request in requests)
     ]
     fingerprint = requests_fingerprint([request.prompt_token_ids for request in requests], settings)

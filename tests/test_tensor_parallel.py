@@ -13,7 +13,7 @@ import torch
 from models import make_model
 
 import hfpaged
-from hfpaged.model.tensor_parallel import check_heads, requests_fingerprint
+from hfpaged.model.tensor_parallel import check_heads, plain_settings, requests_fingerprint
 from hfpaged.model.tp_local import allreduce_mode, local_kind
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_worker.py")
@@ -56,6 +56,7 @@ def check_ranks(results: list[dict], num_kv_heads: int, arch: str, device: str) 
         assert result["engine"] == result["expected"][:3]
         assert result["sampled"] == first["sampled"]  # unseeded sampling draws the same on every rank
         assert result["mismatch_error"] and "different requests" in result["mismatch_error"]
+        assert all(error and "different requests" in error for error in result["settings_errors"])
         assert result["max_time_error"] and "max_time" in result["max_time_error"]
         assert result["free_after"][0] == result["free_after"][1]
         assert result["expected_changed"] != result["expected"]  # the change matters...
@@ -95,6 +96,21 @@ def test_fingerprint_depends_on_prompts_and_settings_only():
     assert a != requests_fingerprint([[1, 2], [3, 4]], [(10, False, 7), (9, True, 1)])
     assert a != requests_fingerprint([[1, 2, 3], [4]], [(10, False, 8), (9, True, 1)])
     assert 0 <= a < 2**63
+
+
+def test_plain_settings_print_the_same_in_every_process():
+    # what ranks compare: values, never addresses; equal settings built apart are equal, other values differ
+    from transformers import GenerationConfig, SuppressTokensLogitsProcessor
+
+    def settings(tokens, temperature):
+        config = GenerationConfig(do_sample=True, temperature=temperature, suppress_tokens=tokens)
+        processor = SuppressTokensLogitsProcessor(tokens, device="cpu")
+        return plain_settings((config.to_diff_dict(), [processor, lambda x: x, torch.nn.Linear(2, 2)]))
+
+    assert settings([3, 4], 0.5) == settings([3, 4], 0.5)
+    assert "0x" not in repr(settings([3, 4], 0.5))
+    assert settings([3, 4], 0.5) != settings([3, 5], 0.5) and settings([3, 4], 0.5) != settings([3, 4], 0.7)
+    assert plain_settings(list(range(20_000))) == ("list", 20_000)
 
 
 def test_an_unsharded_model_has_no_tensor_parallel_group():

@@ -87,6 +87,14 @@ def main() -> None:
         result["mismatch_error"] = None
     except ValueError as error:
         result["mismatch_error"] = str(error)
+    # the same prompts with settings that differ by rank (a processor's token list, a temperature): refused too
+    result["settings_errors"] = []
+    for settings in ({"suppress_tokens": [5 + rank]}, {"do_sample": True, "temperature": 0.5 + rank, "seed": 3}):
+        try:
+            sharded.generate_many(prompts[:2], max_new_tokens=4, **settings)
+            result["settings_errors"].append(None)
+        except ValueError as error:
+            result["settings_errors"].append(str(error))
     try:
         sharded.generate_many(prompts[:1], max_new_tokens=4, max_time=10.0)
         result["max_time_error"] = None

@@ -125,6 +125,34 @@ def check_heads(model: torch.nn.Module, world_size: int) -> None:
             )
 
 
+def plain_settings(value: Any, depth: int = 0) -> Any:
+    """``value`` as plain data that prints the same in every process (no addresses): numbers, strings, nested
+    containers, tensors by their values; other objects by type and attributes (a few levels deep), modules and
+    callables by type alone. What a request's processors and generation config hold, for the ranks' comparison."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().flatten()
+        return ("tensor", tuple(value.shape), str(value.dtype), flat[:4096].tolist(), float(flat.double().sum()))
+    if depth >= 4 or isinstance(value, torch.nn.Module) or callable(value) and not hasattr(value, "__dict__"):
+        return type(value).__qualname__
+    if isinstance(value, (dict, list, tuple, set, frozenset)) and len(value) > 10_000:
+        return (type(value).__qualname__, len(value))  # a vocabulary-sized table held by an object: its size
+    if isinstance(value, dict):
+        items = [(repr(plain_settings(k, depth + 1)), plain_settings(v, depth + 1)) for k, v in value.items()]
+        return tuple(sorted(items, key=lambda kv: kv[0]))
+    if isinstance(value, (set, frozenset)):
+        return tuple(sorted(repr(plain_settings(v, depth + 1)) for v in value))
+    if isinstance(value, (list, tuple)):
+        return tuple(plain_settings(v, depth + 1) for v in value)
+    fields = getattr(value, "__dict__", None)
+    if fields is None and hasattr(value, "__slots__"):
+        fields = {name: getattr(value, name, None) for name in value.__slots__}
+    if fields is None:
+        return type(value).__qualname__
+    return (type(value).__qualname__, plain_settings(fields, depth + 1))
+
+
 def requests_fingerprint(prompts: Sequence[Sequence[int]], settings: Sequence[tuple]) -> int:
     """A 63-bit digest of prompts' token ids and their settings (numbers only: equal across processes)."""
     digest = hashlib.blake2b(digest_size=8)
