@@ -224,6 +224,8 @@ def main(argv=None) -> None:
     parser.add_argument("--nano-requests", type=int, default=256)
     parser.add_argument("--out", default="bench_fp8")
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_fp8_kv.py needs a CUDA GPU")
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     model = build_model(args.model, torch.bfloat16)

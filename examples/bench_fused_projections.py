@@ -65,6 +65,8 @@ def main(argv=None):
     parser.add_argument("--num-blocks", type=int, default=256)
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_fused_projections.py needs a CUDA GPU")
 
     model = build_model(args.model, torch.bfloat16)
     roofline_ms = weight_bytes_per_token(model) / 3.0e12 * 1e3  # at the measured 3.0 TB/s copy bandwidth

@@ -72,6 +72,8 @@ def main() -> None:
     parser.add_argument("--out", default="tp_out")
     parser.add_argument("--compare", nargs=2, metavar=("TP1_JSON", "TPN_JSON"))
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_tp.py needs a CUDA GPU")
     if args.compare:
         compare(*args.compare)
         return

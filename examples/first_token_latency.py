@@ -24,6 +24,8 @@ from hfpaged.engine import Engine
 
 
 def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("first_token_latency.py needs a CUDA GPU")
     model = build_model("qwen3-0.6b", torch.bfloat16)
     hfpaged.patch(model, max_num_seqs=256, gpu_memory_utilization=0.9)
     model.generate_many([[0] * 8], max_new_tokens=4, do_sample=False)

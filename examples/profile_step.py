@@ -38,6 +38,8 @@ def main(argv=None):
     )
     parser.add_argument("--no-async", action="store_true", help="async_scheduling=False (read tokens every step)")
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("profile_step.py needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)
     import hfpaged
 

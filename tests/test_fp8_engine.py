@@ -1,6 +1,8 @@
 """FP8 KV cache in the engine: pool size and stats, where the scales come from, block moves (prefix caching,
 copy-on-write, swap) on fp8 blocks, errors. CPU runs the torch reference path; `gpu` tests run Triton."""
 
+import warnings
+
 import pytest
 import torch
 from models import make_model, random_prompts, reference_generate
@@ -42,6 +44,23 @@ def test_calibration_maps_the_first_prefill_amax_to_half_the_range(setting):
     for (k_cache, v_cache), scales in zip(state.kv_caches, state.kv_scales):
         assert k_cache.float().abs().max() == half_range and v_cache.float().abs().max() == half_range
         assert (scales > 0).all() and (scales != 1.0).all()
+
+
+def test_calibrating_on_a_short_first_step_warns_and_a_long_one_does_not():
+    # the scales come from the first step that stores K/V: a warm-up of a few tokens would fix them for good
+    model = make_model("llama")
+    hfpaged.patch(model, num_blocks=64, kv_cache_dtype="fp8")
+    with pytest.warns(UserWarning, match="calibrated on a step of 8 tokens"):
+        model.generate_many([[5] * 8], max_new_tokens=1, do_sample=False)
+    hfpaged.patch(model, num_blocks=64, kv_cache_dtype="fp8", max_num_batched_tokens=16)
+    with pytest.warns(UserWarning, match="calibrated on a step of 16 tokens"):  # a long prompt's first chunk
+        model.generate_many(random_prompts([100], seed=2), max_new_tokens=1, do_sample=False)
+    hfpaged.patch(model, num_blocks=64, kv_cache_dtype="fp8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.generate_many(random_prompts([100], seed=2), max_new_tokens=2, do_sample=False)
+        hfpaged.patch(model, num_blocks=64, kv_cache_dtype="fp8", kv_cache_scales=0.05)  # nothing to calibrate
+        model.generate_many([[5] * 8], max_new_tokens=2, do_sample=False)
 
 
 def test_user_and_checkpoint_scales_are_used_as_given():

@@ -12,6 +12,7 @@ before storing them. Later values beyond the calibrated range saturate.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -82,6 +83,22 @@ def initial_scales(layers: list[LayerRecord], config: EngineConfig) -> tuple[lis
             pairs, source = [(1.0, 1.0)] * len(layers), "calibration"
     scales = [torch.tensor(pair, dtype=torch.float32, device=layer.device) for pair, layer in zip(pairs, layers)]
     return scales, source
+
+
+# a calibrating step of fewer tokens warns: its largest |K| and |V| say little about later prompts' (they saturate)
+MIN_CALIBRATION_TOKENS = 64
+
+
+def calibration_step(pending: bool, num_tokens: int) -> bool:
+    """Whether this eager step calibrates (``pending``); warns when it stores too few tokens to calibrate on."""
+    if pending and num_tokens < MIN_CALIBRATION_TOKENS:
+        warnings.warn(
+            f"fp8 KV scales are being calibrated on a step of {num_tokens} tokens (the first step that stores K/V: "
+            "the first prompt, or its first chunk): later keys and values above twice its largest saturate. Make "
+            "the first call a representative prompt of at least 64 tokens, or pass kv_cache_scales to patch()",
+            stacklevel=3,
+        )
+    return pending
 
 
 def calibrate(scales: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -> None:

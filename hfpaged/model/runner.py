@@ -30,7 +30,7 @@ from .cuda_graphs import StepGraphs, short_prompt_hint
 from .fused_projections import fused_step
 from .gc_heap import HeapFreeze
 from .input_batch import DeviceStep, HostStep, InputBatch, device_views, padded_width, region_slices
-from .kv_quant import as_bytes
+from .kv_quant import as_bytes, calibration_step
 from .tp_local import local_step
 
 if TYPE_CHECKING:
@@ -154,7 +154,7 @@ class ModelRunner:
             # device, so the indices go as a list of ints, which indexes a tensor on any device.
             keep = step.logits_indices.tolist()
         self.num_eager_steps += 1
-        calibrate = self.state.calibration_pending  # fp8 scales from the first step that stores K/V
+        calibrate = calibration_step(self.state.calibration_pending, host.num_tokens)  # the first K/V stored
         logits = self.forward(step, logits_indices=keep, calibrate=calibrate)
         self.state.calibration_pending = False
         return logits, host, None
