@@ -106,25 +106,24 @@ class TokenCountTable:
         self.num_counted[request] = 0
         return slot
 
+    def _reallocate(self, capacity: int, vocab_size: int) -> None:
+        """New tables of ``capacity`` slots x ``vocab_size`` ids holding what both shapes share."""
+        rows, cols = min(capacity, self.capacity), min(vocab_size, self.vocab_size)
+        prompt_mask = torch.zeros(capacity, vocab_size, dtype=torch.bool, device=self.device)
+        output_counts = torch.zeros(capacity, vocab_size, dtype=torch.float32, device=self.device)
+        prompt_mask[:rows, :cols] = self.prompt_mask[:rows, :cols]
+        output_counts[:rows, :cols] = self.output_counts[:rows, :cols]
+        self.prompt_mask, self.output_counts, self.vocab_size = prompt_mask, output_counts, vocab_size
+
     def _grow(self, capacity: int) -> None:
-        prompt_mask = torch.zeros(capacity, self.vocab_size, dtype=torch.bool, device=self.device)
-        output_counts = torch.zeros(capacity, self.vocab_size, dtype=torch.float32, device=self.device)
-        prompt_mask[: self.capacity] = self.prompt_mask
-        output_counts[: self.capacity] = self.output_counts
-        self.prompt_mask, self.output_counts = prompt_mask, output_counts
+        self._reallocate(capacity, self.vocab_size)
         self.free_slots.extend(range(capacity - 1, self.capacity - 1, -1))
         self.capacity = capacity
 
     def resize(self, vocab_size: int) -> None:
         """Another vocabulary width (``resize_token_embeddings``): counts of the ids both widths hold are kept."""
-        if vocab_size == self.vocab_size:
-            return
-        keep = min(vocab_size, self.vocab_size)
-        prompt_mask = torch.zeros(self.capacity, vocab_size, dtype=torch.bool, device=self.device)
-        output_counts = torch.zeros(self.capacity, vocab_size, dtype=torch.float32, device=self.device)
-        prompt_mask[:, :keep] = self.prompt_mask[:, :keep]
-        output_counts[:, :keep] = self.output_counts[:, :keep]
-        self.prompt_mask, self.output_counts, self.vocab_size = prompt_mask, output_counts, vocab_size
+        if vocab_size != self.vocab_size:
+            self._reallocate(self.capacity, vocab_size)
 
     def slots_for(self, requests: list[Any]) -> torch.Tensor:
         """The requests' slots ``[n]`` on the device, after counting every token they gained since last time."""
