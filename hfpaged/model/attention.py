@@ -171,6 +171,7 @@ def paged_attention_forward(
     if isinstance(context, PagedStep):
         return _paged(context, module, query, key, value, scaling, sliding_window, softcap), None
     if isinstance(context, Discovery):
+        check_attention_call(module, attention_mask, kwargs)
         return _discover(context, module, query, key, value, sliding_window, softcap), None
     if "hfpaged_block_tables" in kwargs:  # compiled decode: the metadata came as forward kwargs
         from .custom_ops import compiled_attention
@@ -222,6 +223,43 @@ def _paged(context: PagedStep, module, query, key, value, scaling, sliding_windo
         **kv_scales,
     )
     return out.unsqueeze(0)
+
+
+# Keywords an attention call may carry that change nothing the paged attention computes: the step's context,
+# positions the model already applied, and flags of transformers' own implementations.
+_NEUTRAL_KWARGS = frozenset(
+    {"hfpaged", "position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states"}
+    | {"return_dict", "deterministic", "is_causal"}
+)
+
+
+def check_attention_call(module: torch.nn.Module, attention_mask: Any, kwargs: dict) -> None:
+    """Refuse (at ``patch``) an attention call that asks for more than causal, windowed, softcapped attention.
+
+    Anything else the model passes (attention sinks as ``s_aux``/``sinks``, position biases, sparse-attention
+    indices, packed-sequence boundaries), a non-causal module and a mask the model built itself (chunked or
+    bidirectional attention) would be ignored by the paged kernels: wrong tokens, so the model is refused.
+    """
+    name = type(module).__name__
+    if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
+        raise UnsupportedModelError(
+            f"{name} runs non-causal attention (is_causal=False); hfpaged pages causal attention only"
+        )
+    extra = sorted(
+        key
+        for key, value in kwargs.items()
+        if value is not None and value is not False and key not in _NEUTRAL_KWARGS and not key.startswith("hfpaged_")
+    )
+    if extra:
+        raise UnsupportedModelError(
+            f"{name} passes {', '.join(extra)} to its attention function (attention sinks, position biases or sparse "
+            "indices, for example), which hfpaged's paged attention does not implement"
+        )
+    if attention_mask is not None:
+        raise UnsupportedModelError(
+            f"{name} attends through a mask its model builds itself (chunked or bidirectional attention, for example); "
+            "hfpaged's paged attention implements causal attention with an optional sliding window only"
+        )
 
 
 def _discover(context: Discovery, module, query, key, value, sliding_window, softcap) -> torch.Tensor:

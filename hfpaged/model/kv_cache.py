@@ -56,10 +56,29 @@ def check_model(model: Any) -> None:
         raise TypeError(f"{name} has no output embeddings (language-modeling head); load it with AutoModelForCausalLM")
 
 
+PAGED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def check_layer_types(model: torch.nn.Module, configs: list[PretrainedConfig]) -> None:
+    """Refuse models with layers the paged forward cannot serve: chunked attention (its mask would be ignored),
+    or recurrent layers (linear attention, Mamba, convolutions) whose state lives outside a KV cache."""
+    for cfg in configs:
+        layer_types = getattr(cfg, "layer_types", None)
+        if not isinstance(layer_types, (list, tuple)):
+            continue
+        other = sorted({str(kind) for kind in layer_types} - set(PAGED_LAYER_TYPES))
+        if other:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} has layers of type {', '.join(other)} ({type(cfg).__name__}.layer_types); "
+                f"hfpaged serves models whose layers are all {' or '.join(PAGED_LAYER_TYPES)}"
+            )
+
+
 def discover_layers(
     model: torch.nn.Module, configs: list[PretrainedConfig], device: torch.device, lock: threading.RLock
 ) -> list[LayerRecord]:
     """Run a 2-token forward with a recording attention function to find every attention layer."""
+    check_layer_types(model, configs)
     context = Discovery()
     input_ids = torch.zeros(1, 2, dtype=torch.long, device=device)
     position_ids = torch.arange(2, device=device)[None]
@@ -67,8 +86,8 @@ def discover_layers(
     try:
         with torch.inference_mode(), paged_forward(configs, lock):
             model(input_ids=input_ids, position_ids=position_ids, use_cache=False, hfpaged=context)
-    except UnsupportedModelError:
-        raise
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"{name}: {exc}") from None
     except Exception as exc:  # the model rejected the packed call: not usable with hfpaged
         raise UnsupportedModelError(
             f"{name} failed a packed forward through the hfpaged attention implementation "

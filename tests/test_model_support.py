@@ -1,0 +1,95 @@
+"""Architectures whose attention asks for more than the paged kernels compute are refused at ``patch``.
+
+Each of these models was accepted before ``patch`` checked the attention calls and layer types, and then
+generated wrong tokens (the extra inputs or the mask were ignored). A refusal must leave the model as it was.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+import hfpaged
+from hfpaged.model.attention import UnsupportedModelError, check_attention_call
+
+SMALL = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    initializer_range=0.3,
+)
+
+CASES = {
+    # attention sinks reach the attention function as ``s_aux``
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=2, num_experts_per_tok=1, sliding_window=8), "s_aux"),
+    # chunked attention exists only in the mask the model builds
+    "llama4": (
+        "Llama4TextConfig",
+        dict(intermediate_size_mlp=128, num_local_experts=2, attention_chunk_size=8, no_rope_layers=[1, 0]),
+        "chunked_attention",
+    ),
+    # bidirectional attention: the module's is_causal is False
+    "gemma_bidirectional": (
+        "GemmaConfig",
+        dict(use_bidirectional_attention=True),
+        r"non-causal attention \(is_causal=False\)",
+    ),
+    # linear-attention layers keep a recurrent state outside any KV cache
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        dict(
+            layer_types=["linear_attention", "full_attention"],
+            num_experts=2,
+            num_experts_per_tok=1,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+        ),
+        "linear_attention",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_attention_hfpaged_cannot_compute_is_refused_and_the_model_stays_as_it_was(case):
+    config_name, overrides, reason = CASES[case]
+    config = getattr(transformers, config_name)(**{**SMALL, **overrides})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(3, 96, (1, 20))
+    before = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    implementation = model.config._attn_implementation
+    with pytest.raises(UnsupportedModelError, match=reason) as refused:
+        hfpaged.patch(model, num_blocks=32)
+    assert type(model).__name__ in str(refused.value)
+    assert not hasattr(model, "generate_many") and not hasattr(model, "_hfpaged")
+    assert model.config._attn_implementation == implementation
+    after = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    assert torch.equal(before, after)
+
+
+def test_an_attention_call_is_checked_for_extra_inputs_non_causal_modules_and_masks():
+    module = torch.nn.Module()
+    neutral = dict(hfpaged=object(), position_ids=torch.arange(3), use_cache=False, is_causal=True, sinks=None)
+    check_attention_call(module, None, neutral)  # nothing the kernels would ignore
+    check_attention_call(module, None, dict(hfpaged_block_tables=torch.zeros(1)))  # the compiled path's inputs
+    with pytest.raises(UnsupportedModelError, match="passes position_bias, s_aux to its attention function"):
+        check_attention_call(module, None, dict(s_aux=torch.zeros(4), position_bias=torch.zeros(1)))
+    with pytest.raises(UnsupportedModelError, match="non-causal"):
+        check_attention_call(module, None, dict(is_causal=False))
+    module.is_causal = False
+    with pytest.raises(UnsupportedModelError, match="non-causal"):
+        check_attention_call(module, None, {})
+    module.is_causal = True
+    with pytest.raises(UnsupportedModelError, match="mask its model builds itself"):
+        check_attention_call(module, torch.zeros(1, 1, 3, 3), {})
