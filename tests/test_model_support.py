@@ -93,3 +93,48 @@ def test_an_attention_call_is_checked_for_extra_inputs_non_causal_modules_and_ma
     module.is_causal = True
     with pytest.raises(UnsupportedModelError, match="mask its model builds itself"):
         check_attention_call(module, torch.zeros(1, 1, 3, 3), {})
+
+
+ROPE = {
+    # frequencies switch to long_factor once a forward's longest sequence passes original_max_position_embeddings
+    "longrope": dict(
+        rope_parameters=dict(
+            rope_type="longrope",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=16,
+            short_factor=[1.0] * 8,
+            long_factor=[3.0] * 8,
+        ),
+        max_position_embeddings=64,
+    ),
+    # NTK-rescaled frequencies once a forward's longest sequence passes max_position_embeddings
+    "dynamic": dict(
+        rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0), max_position_embeddings=16
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(ROPE))
+def test_a_rope_that_follows_the_forwards_length_is_served_exactly_up_to_its_short_length_and_refused_past_it(kind):
+    from hfpaged.serve.engine_loop import model_limits
+
+    config = transformers.LlamaConfig(**{**SMALL, **ROPE[kind], "eos_token_id": None})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 96, (n,), generator=gen).tolist() for n in (3, 9, 14)]
+    budgets = [16 - len(p) for p in prompts]  # every sequence ends at 16 positions at most
+    expected = [
+        model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p) :].tolist()
+        for p, n in zip(prompts, budgets)
+    ]
+    hfpaged.patch(model, num_blocks=32, block_size=4, max_num_batched_tokens=8)  # chunked prompts, packed steps
+    assert model._hfpaged.rope_limit == (16, kind) and model_limits(model).max_model_len == 16
+    got = model.generate_many([dict(prompt=p, max_new_tokens=n) for p, n in zip(prompts, budgets)], do_sample=False)
+    assert [r.token_ids for r in got] == expected
+    # one position further, a packed step could hand the other sequences this one's frequencies
+    with pytest.raises(ValueError, match=f"prompt 1 may grow to 17 tokens, past the 16 positions .* '{kind}' RoPE"):
+        model.generate_many([prompts[0], prompts[2]], max_new_tokens=3, do_sample=False)
+    assert hfpaged.stats(model)["num_free_blocks"] == 32
+    assert [r.token_ids for r in model.generate_many(prompts[:1], max_new_tokens=budgets[0])] == expected[:1]

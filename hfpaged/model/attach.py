@@ -22,6 +22,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from ..core.config import EngineConfig
+from . import hf_compat
 from .attention import LayerRecord
 from .fused_projections import FusedProjections, fuse_projections
 from .kv_cache import (
@@ -107,6 +108,7 @@ class PatchState:
     tokenizer: Any = None
     vocab_size: int = 0
     max_model_len: int | None = None
+    rope_limit: tuple[int, str] | None = None  # (positions, rope type): dynamic/longrope RoPE (hf_compat)
     counters: dict[str, int] = field(default_factory=dict)  # shared with the scheduler (hfpaged.stats)
     engine: Any = None  # the model's one EngineCore (hfpaged.engine), created by patch
     asleep: bool = False  # the pool is released (hfpaged.sleep); the next call allocates it again
@@ -265,6 +267,7 @@ def _attach(
         tokenizer=tokenizer,
         vocab_size=model.get_input_embeddings().weight.shape[0],
         max_model_len=model_len,
+        rope_limit=hf_compat.rope_length_limit(model),
         kv_cache_dtype=kv_dtype,
         fused_projections=fused,
         tp=tp,

@@ -9,7 +9,9 @@ Checked against transformers 5.17 and 5.23. What we use, and why:
 - the beam-search steps of ``GenerationMixin._beam_search`` (``_get_top_k_continuations`` and friends): so
   beam search is transformers' round for round;
 - ``PretrainedConfig._attn_implementation_internal``: switched to hfpaged's attention during a paged forward
-  and back, without the public setter's recursion into sub-configs (we switch each config ourselves).
+  and back, without the public setter's recursion into sub-configs (we switch each config ourselves);
+- a rotary module's ``rope_type`` / ``original_max_seq_len`` and its config's ``rope_parameters``: the length
+  up to which a ``dynamic`` or ``longrope`` RoPE keeps its short-sequence frequencies.
 """
 
 from __future__ import annotations
@@ -139,3 +141,32 @@ def set_attn_implementation(config: PretrainedConfig, value: str | None) -> None
 def module_eager_attention(module: torch.nn.Module) -> Callable | None:
     """The ``eager_attention_forward`` of the modeling file that defines ``module`` (what ``eager`` runs)."""
     return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+
+
+# --- rotary embeddings whose frequencies follow the length of the forward --------------------------------
+
+
+def rope_length_limit(model: torch.nn.Module) -> tuple[int, str] | None:
+    """The longest sequence a packed paged step can serve exactly with the model's RoPE, and its rope type.
+
+    transformers' ``dynamic`` and ``longrope`` rotary embeddings (``@dynamic_rope_update``) choose their
+    frequencies once per forward from its largest position. Stock ``generate`` runs one sequence per forward,
+    a paged step packs many (the largest position may be another sequence's) and splits prompts into chunks,
+    so the two agree only while every sequence stays where the frequencies are the short-sequence ones:
+    ``original_max_position_embeddings`` for longrope, ``max_position_embeddings`` for dynamic. None: no such
+    rotary embedding.
+    """
+    limits = []
+    for module in model.modules():
+        rope_type = getattr(module, "rope_type", None)
+        per_layer_type = rope_type if isinstance(rope_type, dict) else {None: rope_type}
+        for layer_type, kind in per_layer_type.items():
+            if not isinstance(kind, str):
+                continue
+            if "dynamic" in kind:
+                limits.append((int(module.original_max_seq_len), kind))
+            elif kind == "longrope":
+                params = module.config.rope_parameters
+                params = params if layer_type is None else params[layer_type]
+                limits.append((int(params["original_max_position_embeddings"]), kind))
+    return min(limits) if limits else None
