@@ -57,6 +57,13 @@ CASES = {
         ),
         "linear_attention",
     ),
+    # BART-style decoders number positions from their cache and ignore the position_ids they are given
+    "bart": (
+        "BartConfig",
+        dict(d_model=64, decoder_layers=2, encoder_layers=1, decoder_attention_heads=4, encoder_attention_heads=4)
+        | dict(decoder_ffn_dim=64, encoder_ffn_dim=64, init_std=0.25),
+        "ignores the position_ids it is given",
+    ),
 }
 
 

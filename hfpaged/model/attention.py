@@ -86,6 +86,7 @@ class Discovery:
     """The probe forward's context: every attention call is recorded (and answered with zeros)."""
 
     records: list[LayerRecord] = field(default_factory=list)
+    queries_keys: list[torch.Tensor] | None = None  # a list: each call's query and key are kept here too
 
 
 @dataclass
@@ -268,6 +269,8 @@ def _discover(context: Discovery, module, query, key, value, sliding_window, sof
             f"attention module {type(module).__name__} ran twice in one forward; "
             "hfpaged needs one KV cache per attention call"
         )
+    if context.queries_keys is not None:
+        context.queries_keys += [query.clone(), key.clone()]
     context.records.append(
         LayerRecord(
             module=module,

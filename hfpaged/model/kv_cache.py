@@ -77,15 +77,40 @@ def check_layer_types(model: torch.nn.Module, configs: list[PretrainedConfig]) -
 def discover_layers(
     model: torch.nn.Module, configs: list[PretrainedConfig], device: torch.device, lock: threading.RLock
 ) -> list[LayerRecord]:
-    """Run a 2-token forward with a recording attention function to find every attention layer."""
+    """Run a 2-token forward with a recording attention function to find every attention layer; refuse a model
+    whose queries and keys do not follow the ``position_ids`` it is given (a second forward with them swapped)."""
     check_layer_types(model, configs)
-    context = Discovery()
-    input_ids = torch.zeros(1, 2, dtype=torch.long, device=device)
-    position_ids = torch.arange(2, device=device)[None]
+    name = type(model).__name__
+    first = _probe(model, configs, device, lock, [0, 1])
+    if not first.records:
+        raise UnsupportedModelError(
+            f"{name} does not route attention through transformers' AttentionInterface "
+            "(config._attn_implementation is ignored by its attention code), so hfpaged cannot page its KV cache. "
+            "Falcon, Bloom and GPT-J before transformers 5.24 are known to be unsupported."
+        )
+    swapped = _probe(model, configs, device, lock, [1, 0])
+    if all(torch.equal(a, b) for a, b in zip(first.queries_keys, swapped.queries_keys)):
+        raise UnsupportedModelError(
+            f"{name} ignores the position_ids it is given (its decoder numbers positions itself, from its cache); "
+            "hfpaged's packed steps need every token's position from position_ids"
+        )
+    return first.records
+
+
+def _probe(model, configs, device, lock, positions: list[int]) -> Discovery:
+    context = Discovery(queries_keys=[])
+    pads = {getattr(cfg, "pad_token_id", None) for cfg in configs}  # a padding id may embed to zeros
+    token = next(t for t in range(1, 4) if t not in pads)
+    input_ids = torch.full((1, len(positions)), token, dtype=torch.long, device=device)
     name = type(model).__name__
     try:
         with torch.inference_mode(), paged_forward(configs, lock):
-            model(input_ids=input_ids, position_ids=position_ids, use_cache=False, hfpaged=context)
+            model(
+                input_ids=input_ids,
+                position_ids=torch.tensor([positions], device=device),
+                use_cache=False,
+                hfpaged=context,
+            )
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(f"{name}: {exc}") from None
     except Exception as exc:  # the model rejected the packed call: not usable with hfpaged
@@ -93,13 +118,7 @@ def discover_layers(
             f"{name} failed a packed forward through the hfpaged attention implementation "
             f"({type(exc).__name__}: {exc}); its attention is not reachable through transformers' AttentionInterface"
         ) from exc
-    if not context.records:
-        raise UnsupportedModelError(
-            f"{name} does not route attention through transformers' AttentionInterface "
-            "(config._attn_implementation is ignored by its attention code), so hfpaged cannot page its KV cache. "
-            "Falcon, Bloom and GPT-J before transformers 5.24 are known to be unsupported."
-        )
-    return context.records
+    return context
 
 
 def max_model_len(model: PreTrainedModel) -> int | None:
