@@ -6,6 +6,8 @@ generated wrong tokens (the extra inputs or the mask were ignored). A refusal mu
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -64,6 +66,8 @@ CASES = {
         | dict(decoder_ffn_dim=64, encoder_ffn_dim=64, init_std=0.25),
         "ignores the position_ids it is given",
     ),
+    # StableLM's decoder layers do not pass the forward's keyword arguments (hfpaged's step context) down
+    "stablelm": ("StableLmConfig", {}, "StableLmAttention was called without hfpaged's step context"),
 }
 
 
@@ -85,6 +89,25 @@ def test_attention_hfpaged_cannot_compute_is_refused_and_the_model_stays_as_it_w
     assert torch.equal(before, after)
 
 
+def test_a_model_with_one_layer_dropping_the_step_context_is_refused():
+    # before: patched, and that layer ran its stock attention without a cache inside paged steps (wrong tokens)
+    config = transformers.LlamaConfig(**SMALL)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    attention = model.model.layers[1].self_attn
+    forward = attention.forward
+
+    def forward_without_kwargs(*args, **kwargs):
+        kwargs.pop("hfpaged", None)
+        return forward(*args, **kwargs)
+
+    attention.forward = forward_without_kwargs
+    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM: attention module LlamaAttention was called"):
+        hfpaged.patch(model, num_blocks=16)
+    del attention.forward
+    hfpaged.patch(model, num_blocks=16)  # the same model with the layer's own forward back
+    assert hfpaged.stats(model)["num_layers"] == 2
+
+
 def test_an_attention_call_is_checked_for_extra_inputs_non_causal_modules_and_masks():
     module = torch.nn.Module()
     neutral = dict(hfpaged=object(), position_ids=torch.arange(3), use_cache=False, is_causal=True, sinks=None)
@@ -102,31 +125,44 @@ def test_an_attention_call_is_checked_for_extra_inputs_non_causal_modules_and_ma
         check_attention_call(module, torch.zeros(1, 1, 3, 3), {})
 
 
-ROPE = {
+LIMITED = {
     # frequencies switch to long_factor once a forward's longest sequence passes original_max_position_embeddings
-    "longrope": dict(
-        rope_parameters=dict(
-            rope_type="longrope",
-            rope_theta=10000.0,
-            factor=4.0,
-            original_max_position_embeddings=16,
-            short_factor=[1.0] * 8,
-            long_factor=[3.0] * 8,
+    "longrope": (
+        "LlamaConfig",
+        dict(
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=16,
+                short_factor=[1.0] * 8,
+                long_factor=[3.0] * 8,
+            ),
+            max_position_embeddings=64,
         ),
-        max_position_embeddings=64,
+        "'longrope' RoPE keeps one set of frequencies",
     ),
     # NTK-rescaled frequencies once a forward's longest sequence passes max_position_embeddings
-    "dynamic": dict(
-        rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0), max_position_embeddings=16
+    "dynamic": (
+        "LlamaConfig",
+        dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0), max_position_embeddings=16),
+        "'dynamic' RoPE keeps one set of frequencies",
+    ),
+    # the window is in the mask PhiMoE builds (and in stock's cache), never in the attention call
+    "phimoe_window": (
+        "PhimoeConfig",
+        dict(sliding_window=16, num_local_experts=2, num_experts_per_tok=1, max_position_embeddings=64),
+        "layer 0's sliding window, which transformers' cache keeps but the layer's attention call does not pass",
     ),
 }
 
 
-@pytest.mark.parametrize("kind", list(ROPE))
-def test_a_rope_that_follows_the_forwards_length_is_served_exactly_up_to_its_short_length_and_refused_past_it(kind):
+@pytest.mark.parametrize("case", list(LIMITED))
+def test_a_model_exact_only_up_to_a_length_is_served_up_to_it_and_refuses_requests_past_it(case):
     from hfpaged.serve.engine_loop import model_limits
 
-    config = transformers.LlamaConfig(**{**SMALL, **ROPE[kind], "eos_token_id": None})
+    config_name, overrides, why = LIMITED[case]
+    config = getattr(transformers, config_name)(**{**SMALL, **overrides, "eos_token_id": None})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     gen = torch.Generator().manual_seed(1)
@@ -137,11 +173,11 @@ def test_a_rope_that_follows_the_forwards_length_is_served_exactly_up_to_its_sho
         for p, n in zip(prompts, budgets)
     ]
     hfpaged.patch(model, num_blocks=32, block_size=4, max_num_batched_tokens=8)  # chunked prompts, packed steps
-    assert model._hfpaged.rope_limit == (16, kind) and model_limits(model).max_model_len == 16
+    assert model._hfpaged.length_limit[0] == 16 and model_limits(model).max_model_len == 16
     got = model.generate_many([dict(prompt=p, max_new_tokens=n) for p, n in zip(prompts, budgets)], do_sample=False)
     assert [r.token_ids for r in got] == expected
-    # one position further, a packed step could hand the other sequences this one's frequencies
-    with pytest.raises(ValueError, match=f"prompt 1 may grow to 17 tokens, past the 16 positions .* '{kind}' RoPE"):
+    # one position further, the packed step could differ from stock's one-sequence forwards
+    with pytest.raises(ValueError, match=f"prompt 1 may grow to 17 tokens, past the 16 positions .*{re.escape(why)}"):
         model.generate_many([prompts[0], prompts[2]], max_new_tokens=3, do_sample=False)
     assert hfpaged.stats(model)["num_free_blocks"] == 32
     assert [r.token_ids for r in model.generate_many(prompts[:1], max_new_tokens=budgets[0])] == expected[:1]

@@ -33,6 +33,7 @@ from .kv_cache import (
     discover_layers,
     max_model_len,
     size_pool,
+    window_length_limit,
 )
 from .kv_quant import cache_dtype, check_fp8_device, initial_scales
 from .peft_compat import adapter_layers, adapter_state, inner_model
@@ -108,7 +109,7 @@ class PatchState:
     tokenizer: Any = None
     vocab_size: int = 0
     max_model_len: int | None = None
-    rope_limit: tuple[int, str] | None = None  # (positions, rope type): dynamic/longrope RoPE (hf_compat)
+    length_limit: tuple[int, str] | None = None  # (positions, why): dynamic/longrope RoPE, windows not passed
     counters: dict[str, int] = field(default_factory=dict)  # shared with the scheduler (hfpaged.stats)
     engine: Any = None  # the model's one EngineCore (hfpaged.engine), created by patch
     asleep: bool = False  # the pool is released (hfpaged.sleep); the next call allocates it again
@@ -267,7 +268,10 @@ def _attach(
         tokenizer=tokenizer,
         vocab_size=model.get_input_embeddings().weight.shape[0],
         max_model_len=model_len,
-        rope_limit=hf_compat.rope_length_limit(model),
+        length_limit=min(
+            (limit for limit in (hf_compat.rope_length_limit(model), window_length_limit(model, layers)) if limit),
+            default=None,
+        ),
         kv_cache_dtype=kv_dtype,
         fused_projections=fused,
         tp=tp,

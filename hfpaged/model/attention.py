@@ -150,6 +150,20 @@ def _original_implementation(config: Any) -> str | None:
     return _saved_implementations[id(config)]
 
 
+_probing = threading.local()  # .model: set while patch's probe forward runs on this thread
+
+
+@contextmanager
+def probing(model: torch.nn.Module) -> Iterator[None]:
+    """Mark this thread as running ``model``'s probe forward: an attention call reaching hfpaged without
+    the probe's context then means a layer dropped the forward's keyword arguments (refused)."""
+    _probing.model = model
+    try:
+        yield
+    finally:
+        _probing.model = None
+
+
 # --- the attention function -----------------------------------------------------------------------------
 
 
@@ -178,6 +192,11 @@ def paged_attention_forward(
         from .custom_ops import compiled_attention
 
         return compiled_attention(module, query, key, value, scaling, sliding_window, softcap, kwargs), None
+    if getattr(_probing, "model", None) is not None:
+        raise UnsupportedModelError(
+            f"attention module {type(module).__name__} was called without hfpaged's step context: a decoder layer "
+            "of the model does not pass its forward keyword arguments down to its attention"
+        )
     original = _original_implementation(module.config)
     function = ALL_ATTENTION_FUNCTIONS.get_interface(original, hf_compat.module_eager_attention(module))
     return function(

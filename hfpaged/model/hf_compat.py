@@ -147,7 +147,7 @@ def module_eager_attention(module: torch.nn.Module) -> Callable | None:
 
 
 def rope_length_limit(model: torch.nn.Module) -> tuple[int, str] | None:
-    """The longest sequence a packed paged step can serve exactly with the model's RoPE, and its rope type.
+    """The longest sequence a packed paged step can serve exactly with the model's RoPE, and why.
 
     transformers' ``dynamic`` and ``longrope`` rotary embeddings (``@dynamic_rope_update``) choose their
     frequencies once per forward from its largest position. Stock ``generate`` runs one sequence per forward,
@@ -156,17 +156,23 @@ def rope_length_limit(model: torch.nn.Module) -> tuple[int, str] | None:
     ``original_max_position_embeddings`` for longrope, ``max_position_embeddings`` for dynamic. None: no such
     rotary embedding.
     """
-    limits = []
+    limits: dict[str, int] = {}
     for module in model.modules():
         rope_type = getattr(module, "rope_type", None)
         per_layer_type = rope_type if isinstance(rope_type, dict) else {None: rope_type}
         for layer_type, kind in per_layer_type.items():
-            if not isinstance(kind, str):
-                continue
-            if "dynamic" in kind:
-                limits.append((int(module.original_max_seq_len), kind))
+            if isinstance(kind, str) and "dynamic" in kind:
+                limit = int(module.original_max_seq_len)
             elif kind == "longrope":
                 params = module.config.rope_parameters
-                params = params if layer_type is None else params[layer_type]
-                limits.append((int(params["original_max_position_embeddings"]), kind))
-    return min(limits) if limits else None
+                limit = int((params if layer_type is None else params[layer_type])["original_max_position_embeddings"])
+            else:
+                continue
+            limits[kind] = min(limit, limits.get(kind, limit))
+    if not limits:
+        return None
+    kinds = " and ".join(repr(kind) for kind in limits)
+    return min(limits.values()), (
+        f"up to which the model's {kinds} RoPE keeps one set of frequencies (it picks them per forward from the "
+        "longest sequence in it, which a packed step shares between sequences)"
+    )

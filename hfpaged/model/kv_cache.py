@@ -13,11 +13,11 @@ import threading
 from typing import Any
 
 import torch
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 
 from ..core.block_pool import cdiv
 from ..core.config import EngineConfig
-from .attention import Discovery, LayerRecord, UnsupportedModelError, paged_forward
+from .attention import Discovery, LayerRecord, UnsupportedModelError, paged_forward, probing
 from .kv_quant import cache_dtype
 
 CUDA_HEADROOM_BYTES = 512 << 20  # CUDA graphs, sampling buffers, allocator slack
@@ -104,13 +104,9 @@ def _probe(model, configs, device, lock, positions: list[int]) -> Discovery:
     input_ids = torch.full((1, len(positions)), token, dtype=torch.long, device=device)
     name = type(model).__name__
     try:
-        with torch.inference_mode(), paged_forward(configs, lock):
-            model(
-                input_ids=input_ids,
-                position_ids=torch.tensor([positions], device=device),
-                use_cache=False,
-                hfpaged=context,
-            )
+        with torch.inference_mode(), paged_forward(configs, lock), probing(model):
+            position_ids = torch.tensor([positions], device=device)
+            model(input_ids=input_ids, position_ids=position_ids, use_cache=False, hfpaged=context)
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(f"{name}: {exc}") from None
     except Exception as exc:  # the model rejected the packed call: not usable with hfpaged
@@ -119,6 +115,34 @@ def _probe(model, configs, device, lock, positions: list[int]) -> Discovery:
             f"({type(exc).__name__}: {exc}); its attention is not reachable through transformers' AttentionInterface"
         ) from exc
     return context
+
+
+def window_length_limit(model: torch.nn.Module, layers: list[LayerRecord]) -> tuple[int, str] | None:
+    """The longest sequence served exactly when a layer's window is not in its attention call, and why.
+
+    Stock ``generate``'s cache (``DynamicCache(config=...)``) keeps only the last ``sliding_window`` tokens
+    of a sliding layer. A model whose attention call passes that window is paged with it; one whose window
+    lives only in the mask it builds or in that cache (PhiMoE, Qwen2-MoE's sliding layers, Moshi) would be
+    paged without it, which agrees with stock only while no sequence is longer than the window.
+    """
+    try:
+        cache_layers = DynamicCache(config=model.config).layers
+    except Exception:  # a cache transformers cannot build from the config: no window to compare with
+        return None
+    windows = []
+    for index, record in enumerate(layers):
+        position = getattr(record.module, "layer_idx", index)
+        cache_layer = cache_layers[position] if isinstance(position, int) and position < len(cache_layers) else None
+        window = getattr(cache_layer, "sliding_window", None)
+        if isinstance(window, int) and window != record.sliding_window:
+            windows.append((window, position))
+    if not windows:
+        return None
+    window, position = min(windows)
+    return window, (
+        f"of layer {position}'s sliding window, which transformers' cache keeps but the layer's attention call "
+        "does not pass (it lives in a mask or cache hfpaged does not build)"
+    )
 
 
 def max_model_len(model: PreTrainedModel) -> int | None:

@@ -53,9 +53,9 @@ def model_limits(model: Any) -> ModelLimits:
     """Context length, KV pool capacity and vocabulary size of a patched model."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     max_model_len = getattr(config, "max_position_embeddings", None)
-    rope_limit = getattr(getattr(model, "_hfpaged", None), "rope_limit", None)  # dynamic/longrope RoPE
-    if rope_limit is not None:
-        max_model_len = min(max_model_len or rope_limit[0], rope_limit[0])
+    length_limit = getattr(getattr(model, "_hfpaged", None), "length_limit", None)  # hfpaged.model.attach
+    if length_limit is not None:
+        max_model_len = min(max_model_len or length_limit[0], length_limit[0])
     stats = pool_stats(model)
     return ModelLimits(
         max_model_len=int(max_model_len) if max_model_len else None,
