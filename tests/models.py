@@ -115,3 +115,55 @@ def generate_in_threads(model, prompts: list[list[int]], callers: int = 3, timeo
     for t in threads:
         t.join(timeout=timeout)
     return results
+
+
+# More architectures, token-exact in tests/test_architectures.py: each brings something the ones above do not
+# (parallel attention/MLP, q/k norms, muP multipliers, NoPE layers, MoE routing, MLA's narrower V heads,
+# multi-query attention, partial rotary, interleaved sliding/full layers).
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+MORE_ARCHS: dict[str, dict] = {
+    "cohere": dict(use_qk_norm=True),
+    "cohere2": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "olmo2": {},
+    "olmo3": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "granite": dict(embedding_multiplier=2.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0),
+    "starcoder2": dict(sliding_window=8),
+    "gemma3_text": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"], initializer_range=0.02),
+    "smollm3": dict(no_rope_layers=[1, 0]),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
+    "qwen3_moe": MOE,
+    "olmoe": MOE,
+    "deepseek_v3": dict(
+        head_dim=8,
+        kv_lora_rank=32,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+    ),
+    "exaone4": dict(sliding_window=8, sliding_window_pattern=2),
+    "glm4": {},
+    "phi": dict(partial_rotary_factor=0.5),
+    "gpt_bigcode": dict(n_embd=64, n_layer=2, n_head=4, multi_query=True, n_positions=MAX_POS),
+    "seed_oss": {},
+    "ernie4_5": {},
+    "helium": {},
+}
+
+
+def make_more_model(arch: str, seed: int = 0):
+    """A tiny random-weight model of one of ``MORE_ARCHS`` (float32)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    base.update(num_key_value_heads=2, head_dim=16, max_position_embeddings=MAX_POS, initializer_range=0.25)
+    base.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(CONFIG_MAPPING[arch](**{**base, **MORE_ARCHS[arch]})).eval()
