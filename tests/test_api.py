@@ -153,6 +153,8 @@ def test_empty_prompt_list_returns_empty(model):
         ([[4]], {"do_sample": True, "top_k": -2}, "top_k must be a non-negative int"),
         ([[4]], {"max_new_tokens": 0}, "max_new_tokens. must be"),
         ([[4]], {"penalty_alpha": 0.5, "top_k": 4}, "contrastive search"),
+        ([[4]], {"use_mtp": True}, "use_mtp"),
+        ([[4]], {"cache_implementation": "quantized"}, "cache_implementation='quantized'"),
         ([[4]], {"not_a_setting": 1}, "unsupported arguments"),
         ("hello", {}, "list of prompts"),
         (torch.tensor([[4, 5]]), {"attention_mask": torch.tensor([[1, 2]])}, r"must hold 0 \(padding\) and 1"),

@@ -189,6 +189,26 @@ def test_user_processor_and_criteria_see_their_own_request_ids(model, prompts, p
     assert all(r.finish_reason == ("stop" if len(r.token_ids) < NEW else "length") for r in results)
 
 
+def test_a_user_criterion_of_a_built_in_type_replaces_generates_own(model, prompts, plain):
+    # generate merges a user MaxLengthCriteria / EosTokenCriteria in place of its own (before: generate_many kept
+    # its max_length and eos besides the user's, and stopped early)
+    from transformers import EosTokenCriteria, MaxLengthCriteria
+
+    longer = StoppingCriteriaList([MaxLengthCriteria(max_length=len(prompts[0]) + NEW + 6)])
+    kwargs = dict(max_new_tokens=NEW, do_sample=False, stopping_criteria=longer)
+    expected = reference_generate(model, prompts[:1], **kwargs)
+    assert len(expected[0]) == NEW + 6
+    assert [r.token_ids for r in model.generate_many(prompts[:1], **kwargs)] == expected
+    other_eos = plain[1][3]  # greedy emits it early: stop there instead of at the model's eos
+    kwargs = dict(
+        max_new_tokens=NEW, do_sample=False, stopping_criteria=StoppingCriteriaList([EosTokenCriteria(other_eos)])
+    )
+    expected = reference_generate(model, prompts, **kwargs)
+    results = model.generate_many(prompts, **kwargs)
+    assert [r.token_ids for r in results] == expected and expected[1] == plain[1][:4]
+    assert [r.finish_reason for r in results] == ["stop" if e[-1] == other_eos else "length" for e in expected]
+
+
 def test_prefix_allowed_tokens_fn_gets_the_prompt_index(model, prompts):
     seen, seen_by_stock = set(), set()
 

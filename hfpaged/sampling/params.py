@@ -33,6 +33,7 @@ _UNSUPPORTED_WHEN_SET = {
     "prompt_lookup_num_tokens": "prompt-lookup (assisted) decoding",
     "assistant_early_exit": "self-speculative decoding",
     "token_healing": "token healing",
+    "use_mtp": "multi-token-prediction (assisted) decoding",
 }
 _UNSUPPORTED_TRUE = {
     "output_scores": "use return_logprobs=True instead",
@@ -282,6 +283,8 @@ def _check_supported(config: GenerationConfig) -> None:
         raise ValueError(
             f"generate_many does not support guidance_scale={config.guidance_scale} (classifier-free guidance)"
         )
+    if getattr(config, "cache_implementation", None) == "quantized":  # stock's numbers differ from the pool's
+        raise ValueError("generate_many does not support cache_implementation='quantized' (use patch's kv_cache_dtype)")
     if config.num_beam_groups is not None and config.num_beam_groups > 1:
         raise ValueError(f"generate_many does not support num_beam_groups={config.num_beam_groups} (group beam search)")
     if config.num_beams is not None and config.num_beams > 1 and config.low_memory:
@@ -377,11 +380,10 @@ def make_request_params(
     stop = build_stop_rules(
         model, config, options.stopping_criteria, tokenizer, stop_string_cache if stop_string_cache is not None else {}
     )
-    eos = hf_compat.eos_token_tensor(config)
     return RequestParams(
         generation_config=config,
-        max_length=config.max_length,
-        eos_token_ids=frozenset(eos.tolist()) if eos is not None else frozenset(),
+        max_length=stop.max_length,
+        eos_token_ids=stop.eos_token_ids,
         do_sample=bool(config.do_sample),
         seed=seed,
         stages=stages,

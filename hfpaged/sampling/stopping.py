@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 class StopRules:
     """One request's stop conditions besides eos / max_length (checked by the scheduler itself)."""
 
+    max_length: int = 0  # prompt + generated tokens at most (generate's MaxLengthCriteria, or the user's)
+    eos_token_ids: frozenset[int] = frozenset()  # generate's EosTokenCriteria, or the user's that replaced it
     stop_strings: StopStringCriteria | None = None
     max_time: MaxTimeCriteria | None = None
     criteria: StoppingCriteriaList | None = None  # everything else: called with the full ids
@@ -75,18 +77,23 @@ def build_stop_rules(
     if eos is not None:
         defaults.append(EosTokenCriteria(eos_token_id=eos))
     merged = hf_compat.merge_stopping_criteria(model, defaults, user_criteria if user_criteria is not None else [])
-    built = {id(c) for c in defaults}
     rules = StopRules()
     others = StoppingCriteriaList()
+    lengths, eos_ids = [], set()
     for criterion in merged:
-        if id(criterion) in built and isinstance(criterion, (MaxLengthCriteria, EosTokenCriteria)):
-            continue  # the scheduler checks max_length and eos itself
-        if type(criterion) is StopStringCriteria and rules.stop_strings is None:
+        # the scheduler checks max_length and eos itself: generate's criteria, or the user's that replaced them
+        if type(criterion) is MaxLengthCriteria:
+            lengths.append(criterion.max_length)
+        elif type(criterion) is EosTokenCriteria:
+            eos_ids.update(torch.as_tensor(criterion.eos_token_id).flatten().tolist())
+        elif type(criterion) is StopStringCriteria and rules.stop_strings is None:
             rules.stop_strings = criterion
         elif type(criterion) is MaxTimeCriteria and rules.max_time is None:
             rules.max_time = criterion
         else:
             others.append(criterion)
+    rules.max_length = min(lengths) if lengths else config.max_length
+    rules.eos_token_ids = frozenset(eos_ids)
     rules.criteria = others if len(others) else None
     rules.all_criteria = merged
     return rules
