@@ -108,6 +108,49 @@ def test_a_model_with_one_layer_dropping_the_step_context_is_refused():
     assert hfpaged.stats(model)["num_layers"] == 2
 
 
+def test_a_model_whose_generate_numbers_positions_itself_is_refused_unless_it_counts_from_zero():
+    # generate passes no position_ids to a model whose prepare_inputs_for_generation drops them (Kosmos-2.5): it
+    # numbers tokens itself, RoBERTa-style from padding_idx + 1; before, hfpaged passed 0-based ones (wrong tokens)
+    from transformers import RobertaConfig, RobertaForCausalLM
+
+    class DropsPositions(RobertaForCausalLM):
+        def prepare_inputs_for_generation(self, *args, **kwargs):
+            inputs = super().prepare_inputs_for_generation(*args, **kwargs)
+            inputs.pop("position_ids", None)
+            return inputs
+
+    config = RobertaConfig(**{**SMALL, "is_decoder": True, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2})
+    model = DropsPositions(config).eval()
+    with pytest.raises(UnsupportedModelError, match="DropsPositions numbers positions itself in generate"):
+        hfpaged.patch(model, num_blocks=16)
+    plain = RobertaForCausalLM(config).eval()  # generate passes it 0-based position_ids, as hfpaged does
+    ids = torch.randint(3, 96, (1, 9))
+    expected = plain.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
+    hfpaged.patch(plain, num_blocks=16)
+    assert plain.generate_many([ids[0].tolist()], max_new_tokens=10)[0].token_ids == expected[0, 9:].tolist()
+
+
+def test_neutral_inputs_and_a_vision_towers_layer_types_do_not_refuse_a_model():
+    # LLaVA-OneVision hands logits_to_keep down to attention; a vision config's layer_types never run in text
+    module = torch.nn.Module()
+    check_attention_call(module, None, dict(logits_to_keep=0))
+    config = transformers.LlavaConfig(
+        text_config=transformers.LlamaConfig(**SMALL),
+        vision_config=transformers.CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=16,
+        ),
+    )
+    config.vision_config.layer_types = ["window_attention"]
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    hfpaged.patch(model, num_blocks=16)
+    assert hfpaged.stats(model)["num_layers"] == 2
+
+
 def test_an_attention_call_is_checked_for_extra_inputs_non_causal_modules_and_masks():
     module = torch.nn.Module()
     neutral = dict(hfpaged=object(), position_ids=torch.arange(3), use_cache=False, is_causal=True, sinks=None)

@@ -249,7 +249,7 @@ def _paged(context: PagedStep, module, query, key, value, scaling, sliding_windo
 # positions the model already applied, and flags of transformers' own implementations.
 _NEUTRAL_KWARGS = frozenset(
     {"hfpaged", "position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states"}
-    | {"return_dict", "deterministic", "is_causal"}
+    | {"return_dict", "deterministic", "is_causal", "logits_to_keep"}
 )
 
 

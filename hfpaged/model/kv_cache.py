@@ -59,10 +59,12 @@ def check_model(model: Any) -> None:
 PAGED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def check_layer_types(model: torch.nn.Module, configs: list[PretrainedConfig]) -> None:
+def check_layer_types(model: torch.nn.Module) -> None:
     """Refuse models with layers the paged forward cannot serve: chunked attention (its mask would be ignored),
-    or recurrent layers (linear attention, Mamba, convolutions) whose state lives outside a KV cache."""
-    for cfg in configs:
+    or recurrent layers (linear attention, Mamba, convolutions) whose state lives outside a KV cache. Only the
+    decoder's config counts: a vision tower's layers never run in text generation."""
+    config = model.config
+    for cfg in [config.get_text_config(decoder=True)] if hasattr(config, "get_text_config") else [config]:
         layer_types = getattr(cfg, "layer_types", None)
         if not isinstance(layer_types, (list, tuple)):
             continue
@@ -79,7 +81,7 @@ def discover_layers(
 ) -> list[LayerRecord]:
     """Run a 2-token forward with a recording attention function to find every attention layer; refuse a model
     whose queries and keys do not follow the ``position_ids`` it is given (a second forward with them swapped)."""
-    check_layer_types(model, configs)
+    check_layer_types(model)
     name = type(model).__name__
     first = _probe(model, configs, device, lock, [0, 1])
     if not first.records:
@@ -94,7 +96,35 @@ def discover_layers(
             f"{name} ignores the position_ids it is given (its decoder numbers positions itself, from its cache); "
             "hfpaged's packed steps need every token's position from position_ids"
         )
+    check_generate_positions(model, device, lock)
     return first.records
+
+
+def check_generate_positions(model: torch.nn.Module, device: torch.device, lock: threading.RLock) -> None:
+    """Refuse a model whose ``generate`` numbers positions otherwise than 0, 1, 2, ... (hfpaged's position_ids).
+
+    ``generate`` passes 0-based position_ids unless the model's ``prepare_inputs_for_generation`` drops them;
+    then the model numbers tokens itself (Kosmos-2.5 from its padding id + 1), which two stock forwards, with
+    and without position_ids, tell apart. Skipped where that preparation cannot run outside ``generate``.
+    """
+    input_ids = torch.tensor([[3, 4, 5]], device=device)
+    positions = torch.arange(3, device=device)[None]
+    try:
+        prepared = model.prepare_inputs_for_generation(
+            input_ids, attention_mask=torch.ones_like(input_ids), position_ids=positions, use_cache=False
+        )
+    except Exception:
+        return
+    if prepared.get("position_ids") is not None:
+        return
+    with torch.inference_mode(), lock:
+        own = model(input_ids=input_ids, use_cache=False).logits
+        given = model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
+    if not torch.equal(own, given):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} numbers positions itself in generate (its prepare_inputs_for_generation drops "
+            "position_ids, and its own numbering is not 0, 1, 2, ...); hfpaged's packed steps pass 0-based positions"
+        )
 
 
 def _probe(model, configs, device, lock, positions: list[int]) -> Discovery:
