@@ -158,12 +158,18 @@ MORE_ARCHS: dict[str, dict] = {
 }
 
 
+# The text part of a tiny config, for config classes built by name (tests/test_model_support.py too).
+TINY_TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+TINY_TEXT.update(num_key_value_heads=2, head_dim=16, max_position_embeddings=MAX_POS)
+# frequencies switch to long_factor once a forward's longest sequence passes 16 positions
+LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16)
+LONGROPE.update(short_factor=[1.0] * 8, long_factor=[3.0] * 8)
+
+
 def make_more_model(arch: str, seed: int = 0):
     """A tiny random-weight model of one of ``MORE_ARCHS`` (float32)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-    base.update(num_key_value_heads=2, head_dim=16, max_position_embeddings=MAX_POS, initializer_range=0.25)
-    base.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    base = dict(TINY_TEXT, initializer_range=0.25, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(CONFIG_MAPPING[arch](**{**base, **MORE_ARCHS[arch]})).eval()

@@ -1,7 +1,8 @@
-"""Architectures whose attention asks for more than the paged kernels compute are refused at ``patch``.
+"""Models whose attention or positions the paged forward would get wrong: refused at ``patch``, or served only
+up to the length where they stop being exact (notes/model_support.md).
 
-Each of these models was accepted before ``patch`` checked the attention calls and layer types, and then
-generated wrong tokens (the extra inputs or the mask were ignored). A refusal must leave the model as it was.
+Each case here was accepted before the check that now catches it and generated wrong tokens. A refusal must
+leave the model as it was; a refused request must leave the pool all free.
 """
 
 from __future__ import annotations
@@ -11,22 +12,13 @@ import re
 import pytest
 import torch
 import transformers
+from models import LONGROPE, TINY_TEXT
 from transformers import AutoModelForCausalLM
 
 import hfpaged
 from hfpaged.model.attention import UnsupportedModelError, check_attention_call
 
-SMALL = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    initializer_range=0.3,
-)
+SMALL = dict(TINY_TEXT, max_position_embeddings=256, initializer_range=0.3)
 
 CASES = {
     # attention sinks reach the attention function as ``s_aux``
@@ -172,17 +164,7 @@ LIMITED = {
     # frequencies switch to long_factor once a forward's longest sequence passes original_max_position_embeddings
     "longrope": (
         "LlamaConfig",
-        dict(
-            rope_parameters=dict(
-                rope_type="longrope",
-                rope_theta=10000.0,
-                factor=4.0,
-                original_max_position_embeddings=16,
-                short_factor=[1.0] * 8,
-                long_factor=[3.0] * 8,
-            ),
-            max_position_embeddings=64,
-        ),
+        dict(rope_parameters=LONGROPE, max_position_embeddings=64),
         "'longrope' RoPE keeps one set of frequencies",
     ),
     # NTK-rescaled frequencies once a forward's longest sequence passes max_position_embeddings

@@ -904,24 +904,11 @@ def test_create_app_serves_in_one_process(model, tokenizer):
 
 def test_the_servers_context_length_is_a_models_length_limit():
     # a longrope model is exact only up to original_max_position_embeddings (tests/test_model_support.py)
-    import transformers
-    from transformers import AutoModelForCausalLM
+    from models import LONGROPE
 
     from hfpaged.serve.engine_loop import model_limits
 
-    rope = dict(rope_type="longrope", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16)
-    rope.update(short_factor=[1.0] * 8, long_factor=[3.0] * 8)
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        head_dim=16,
-        max_position_embeddings=64,
-        rope_parameters=rope,
-    )
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = make_model("llama", rope_parameters=LONGROPE, max_position_embeddings=64)
     hfpaged.patch(model, num_blocks=32)
     assert model_limits(model).max_model_len == 16
     plain = make_model("llama")
