@@ -1,8 +1,9 @@
 """Models whose attention or positions the paged forward would get wrong: refused at ``patch``, or served only
 up to the length where they stop being exact (notes/model_support.md).
 
-Each case here was accepted before the check that now catches it and generated wrong tokens. A refusal must
-leave the model as it was; a refused request must leave the pool all free.
+Each refused or limited case here was accepted before the check that now catches it and generated wrong tokens
+(and inputs that change nothing must not refuse a model). A refusal must leave the model as it was; a refused
+request must leave the pool all free.
 """
 
 from __future__ import annotations
