@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 import torch
-from models import make_model, random_prompts, reference_generate
+from models import generate_in_threads, make_model, random_prompts, reference_generate
 from transformers import (
     DynamicCache,
     GenerationConfig,
@@ -207,6 +207,7 @@ def test_a_user_criterion_of_a_built_in_type_replaces_generates_own(model, promp
     results = model.generate_many(prompts, **kwargs)
     assert [r.token_ids for r in results] == expected and expected[1] == plain[1][:4]
     assert [r.finish_reason for r in results] == ["stop" if e[-1] == other_eos else "length" for e in expected]
+    assert generate_in_threads(model, prompts, **kwargs) == [[e] for e in expected]  # three callers at once
 
 
 def test_prefix_allowed_tokens_fn_gets_the_prompt_index(model, prompts):

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 import transformers
-from models import LONGROPE, TINY_TEXT
+from models import LONGROPE, TINY_TEXT, generate_in_threads
 from transformers import AutoModelForCausalLM
 
 import hfpaged
@@ -205,3 +205,9 @@ def test_a_model_exact_only_up_to_a_length_is_served_up_to_it_and_refuses_reques
         model.generate_many([prompts[0], prompts[2]], max_new_tokens=3, do_sample=False)
     assert hfpaged.stats(model)["num_free_blocks"] == 32
     assert [r.token_ids for r in model.generate_many(prompts[:1], max_new_tokens=budgets[0])] == expected[:1]
+    # within the limit, swap preemption and three callers at once change nothing
+    hfpaged.unpatch(model)
+    hfpaged.patch(model, num_blocks=6, block_size=4, preemption_mode="swap", swap_space=0.01)
+    requests = [dict(prompt=p, max_new_tokens=n) for p, n in zip(prompts, budgets)] * 2
+    assert generate_in_threads(model, requests, do_sample=False) == [[e, e] for e in expected]
+    assert hfpaged.stats(model)["num_preemptions"] > 0
