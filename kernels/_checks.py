@@ -101,3 +101,40 @@ def launches_on_first_tensor_gpu(fn):
         return fn(*args, **kwargs)
 
     return wrapper
+
+
+def check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale, sinks) -> None:
+    """The arguments of ``paged_attention``: dtypes, devices and shapes that agree (raises TypeError/ValueError)."""
+    check_tensor("q", q, 3, FLOAT_DTYPES)
+    check_tensor("k_cache", k_cache, 4, CACHE_DTYPES)
+    check_tensor("v_cache", v_cache, 4, CACHE_DTYPES)
+    fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    check_tensor("block_tables", block_tables, 2, (torch.int32,))
+    check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
+    check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,))
+    check_devices(
+        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q
+    )
+    if sinks is not None:  # attention sinks: one logit per query head
+        check_tensor("sinks", sinks, 1, FLOAT_DTYPES)
+        check_devices(q=q, sinks=sinks)
+        check_dim("sinks", sinks, 0, q.shape[1], "q.shape[1], num_heads")
+        if sinks.stride(0) != 1:
+            raise ValueError(f"sinks must be contiguous, got stride {sinks.stride(0)}")
+    if not fp8 and k_cache.dtype != q.dtype:
+        raise TypeError(f"k_cache dtype {k_cache.dtype} differs from q dtype {q.dtype}; they must match (or be fp8)")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    check_dim("k_cache", k_cache, 3, head_dim, "q.shape[2], head_dim")
+    check_dim("v_cache", v_cache, 0, k_cache.shape[0], "k_cache.shape[0], num_blocks")
+    check_dim("v_cache", v_cache, 1, k_cache.shape[1], "k_cache.shape[1], block_size")
+    check_dim("v_cache", v_cache, 2, num_kv_heads, "k_cache.shape[2], num_kv_heads")
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_heads (q.shape[1] = {num_heads}) must be a multiple of num_kv_heads (k_cache.shape[2] = {num_kv_heads})"
+        )
+    if head_dim > 256 or v_cache.shape[3] > 256:
+        raise ValueError(f"head_dim must be at most 256, got q {head_dim} and v_cache {v_cache.shape[3]}")
+    num_seqs = seq_lens.shape[0]
+    check_dim("block_tables", block_tables, 0, num_seqs, "seq_lens.shape[0], the number of sequences")
+    check_dim("cu_seqlens_q", cu_seqlens_q, 0, num_seqs + 1, "seq_lens.shape[0] + 1")

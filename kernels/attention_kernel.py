@@ -57,6 +57,7 @@ def _paged_attention_kernel(
     cu_seqlens_q_ptr,  # [B + 1] int32
     k_scale_ptr,  # [1] fp32, read when KV_FP8: key = cache value * k_scale
     v_scale_ptr,  # [1] fp32, read when KV_FP8
+    sinks_ptr,  # [NUM_HEADS] float, read when USE_SINKS: one logit per query head with no value (attention sinks)
     k_step_desc,  # STEP_KV: TMA descriptors over the step's own keys / values [T, num_kv_heads, D] (else None)
     v_step_desc,
     k_ctx_desc,  # CTX_KV: TMA descriptors over the context rows [rows, num_kv_heads, D] (context_rows.py)
@@ -115,6 +116,7 @@ def _paged_attention_kernel(
     ONE_QUERY: tl.constexpr = False,  # one query token per sequence; program i is sequence i (AttentionConfig.one_query)
     STORE_KV: tl.constexpr = False,  # one query token per sequence: write its K/V row into the caches first
     FP8_MAX: tl.constexpr = 0.0,  # STORE_KV into fp8 caches: the format's largest finite value
+    USE_SINKS: tl.constexpr = False,  # add each head's sink to the softmax's denominator (SPLIT: the merge adds it)
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -296,7 +298,18 @@ def _paged_attention_kernel(
         tl.store(split_max_ptr + row, m_i, mask=row_ok)
         tl.store(split_sum_ptr + row, l_i, mask=row_ok)
     else:
+        if USE_SINKS:
+            l_i = l_i + _sink_weight(sinks_ptr, head, row_ok, m_i)
         _store_rows(out_ptr, acc, l_i, token, head, row_ok, stride_out_t, stride_out_h, HEAD_DIM_V, HEAD_DIM_V_PAD)
+
+
+@triton.jit
+def _sink_weight(sinks_ptr, head, ok, m):
+    # exp2(sink - m) in the kernel's log2 domain: the sink's share of a softmax denominator whose keys were summed
+    # relative to m. With m = -inf (no key) it is inf, so the row is 0 as in the reference (only the sink, value 0);
+    # a -inf sink (and masked rows) adds 0.
+    sink = tl.load(sinks_ptr + head, mask=ok, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+    return tl.exp2(sink - tl.maximum(m, -3.0e38))
 
 
 @triton.jit

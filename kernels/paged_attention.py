@@ -34,13 +34,11 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._checks import (
-    CACHE_DTYPES,
-    FLOAT_DTYPES,
     FP8_DTYPES,
     FP8_MAX,
+    check_attention_args,
     check_devices,
     check_dim,
-    check_kv_scales,
     check_tensor,
     launches_on_first_tensor_gpu,
     next_power_of_2,
@@ -74,36 +72,6 @@ CONTEXT_MAX_BYTES = 64 << 20
 # Steps of one query token per sequence given slot_mapping store their K/V inside the attention kernel (False: store_kv
 # first, as other steps do; a switch for A/B measurements, read at each call)
 STORE_IN_KERNEL = True
-
-
-def _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale) -> None:
-    check_tensor("q", q, 3, FLOAT_DTYPES)
-    check_tensor("k_cache", k_cache, 4, CACHE_DTYPES)
-    check_tensor("v_cache", v_cache, 4, CACHE_DTYPES)
-    fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
-    check_tensor("block_tables", block_tables, 2, (torch.int32,))
-    check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
-    check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,))
-    check_devices(
-        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q
-    )
-    if not fp8 and k_cache.dtype != q.dtype:
-        raise TypeError(f"k_cache dtype {k_cache.dtype} differs from q dtype {q.dtype}; they must match (or be fp8)")
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    check_dim("k_cache", k_cache, 3, head_dim, "q.shape[2], head_dim")
-    check_dim("v_cache", v_cache, 0, k_cache.shape[0], "k_cache.shape[0], num_blocks")
-    check_dim("v_cache", v_cache, 1, k_cache.shape[1], "k_cache.shape[1], block_size")
-    check_dim("v_cache", v_cache, 2, num_kv_heads, "k_cache.shape[2], num_kv_heads")
-    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"num_heads (q.shape[1] = {num_heads}) must be a multiple of num_kv_heads (k_cache.shape[2] = {num_kv_heads})"
-        )
-    if head_dim > 256 or v_cache.shape[3] > 256:
-        raise ValueError(f"head_dim must be at most 256, got q {head_dim} and v_cache {v_cache.shape[3]}")
-    num_seqs = seq_lens.shape[0]
-    check_dim("block_tables", block_tables, 0, num_seqs, "seq_lens.shape[0], the number of sequences")
-    check_dim("cu_seqlens_q", cu_seqlens_q, 0, num_seqs + 1, "seq_lens.shape[0] + 1")
 
 
 # Sequence counts that pick each width of the kernel's sequence search (a compile-time constant): a
@@ -167,6 +135,7 @@ def paged_attention_with_config(
     context_rows: int = 0,
     context_min_q: int = CONTEXT_MIN_Q,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_attention with an explicit tile config (tests, tuning); arguments are not re-checked.
 
@@ -232,6 +201,7 @@ def paged_attention_with_config(
         cu_seqlens_q,
         k_scale if fp8 else seq_lens,  # unused without fp8
         v_scale if fp8 else seq_lens,
+        sinks if sinks is not None else seq_lens,  # unused without sinks
         k_desc,
         v_desc,
         k_ctx_desc,
@@ -276,6 +246,7 @@ def paged_attention_with_config(
         ONE_QUERY=config.one_query,
         STORE_KV=store is not None,
         FP8_MAX=FP8_MAX.get(k_cache.dtype, 0.0),
+        USE_SINKS=sinks is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(launch_pdl),
@@ -287,6 +258,7 @@ def paged_attention_with_config(
             split_acc,
             split_max,
             split_sum,
+            sinks if sinks is not None else split_sum,  # unused without sinks
             config.num_splits,
             out.stride(0),
             out.stride(1),
@@ -295,6 +267,7 @@ def paged_attention_with_config(
             HEAD_DIM_V_PAD=head_dim_v_pad,
             SPLITS_PAD=splits_pad,
             USE_PDL=launch_pdl,
+            USE_SINKS=sinks is not None,
             num_warps=4 if splits_pad * head_dim_v_pad <= 4096 else 8,
             **launch_options(launch_pdl),
         )
@@ -320,6 +293,7 @@ def paged_attention(
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a packed batch (GQA, sliding window, softcap) -> ``[T, num_heads, head_dim_v]``.
 
@@ -330,9 +304,10 @@ def paged_attention(
     keys computed in this step from them by TMA instead of gathering through the block table (same values).
     ``slot_mapping`` (``[T]`` int32/int64, -1 = none; needs ``key``/``value``): store the step's keys and values into
     the caches first, as ``store_kv`` would; in a step of one query token per sequence (``max_seqlen_q`` 1 and as
-    many tokens as sequences) the attention kernel writes them itself, one launch less.
+    many tokens as sequences) the attention kernel writes them itself, one launch less. ``sinks`` (``[num_heads]``,
+    any float dtype): attention sinks, one logit per head that joins each row's softmax with no value (GPT-OSS).
     """
-    _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale)
+    check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale, sinks)
     check_launch_pdl(launch_pdl, q.device)
     if not scale > 0:
         raise ValueError(f"scale must be a positive float, got {scale!r}")
@@ -395,4 +370,5 @@ def paged_attention(
         context_rows=context_rows,
         context_min_q=CONTEXT_MIN_Q,
         store=store,
+        sinks=sinks,
     )

@@ -81,15 +81,17 @@ def paged_attention_reference(
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reference paged attention over a packed batch (causal, GQA, sliding window, softcap; fp8 caches
-    are dequantized with ``k_scale``/``v_scale``).
+    """Reference paged attention over a packed batch (causal, GQA, sliding window, softcap, attention sinks; fp8
+    caches are dequantized with ``k_scale``/``v_scale``).
 
     q is ``[T, num_heads, head_dim]``; the ``q_len`` queries of sequence ``b`` are its last
     ``q_len`` positions out of ``seq_lens[b]``. Scores are computed in float32 (float64 for float64 q).
     ``max_seqlen_q``/``max_seqlen_k`` are optional host-side hints (unused here; kernels size grids by them), and so
     are ``key``/``value`` (the step's own keys: the reference reads every key from the cache). ``slot_mapping``: store
-    ``key``/``value`` into the caches at these slots first (``store_kv_reference``).
+    ``key``/``value`` into the caches at these slots first (``store_kv_reference``). ``sinks`` ``[num_heads]``: one
+    logit per head that joins each row's softmax (after the scale and softcap) with no value; its share is dropped.
     """
     check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     if slot_mapping is not None:
@@ -123,7 +125,11 @@ def paged_attention_reference(
         if sliding_window is not None and sliding_window > 0:
             allowed &= (q_pos - k_pos) < sliding_window
         scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            sink = sinks.to(compute).reshape(num_kv_heads, group, 1, 1).expand(-1, -1, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         o = torch.matmul(probs, dequantize(v, v_scale, compute).permute(1, 0, 2).unsqueeze(1))  # [kv, group, q_len, dv]
         out[q_start:q_end] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim_v).to(q.dtype)
     return out

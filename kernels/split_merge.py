@@ -3,6 +3,7 @@
 import triton
 import triton.language as tl
 
+from .attention_kernel import _sink_weight
 from .dependent_launch import wait_for_previous_kernel
 
 
@@ -12,6 +13,7 @@ def _merge_splits_kernel(
     split_acc_ptr,  # [T, NUM_HEADS, num_splits, HEAD_DIM_V_PAD] fp32
     split_max_ptr,  # [T, NUM_HEADS, num_splits] fp32
     split_sum_ptr,  # [T, NUM_HEADS, num_splits] fp32
+    sinks_ptr,  # [NUM_HEADS] float, read when USE_SINKS (attention sinks: added once, here)
     num_splits,
     stride_out_t,
     stride_out_h,
@@ -20,6 +22,7 @@ def _merge_splits_kernel(
     HEAD_DIM_V_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     USE_PDL: tl.constexpr,
+    USE_SINKS: tl.constexpr = False,
 ):
     wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -30,8 +33,11 @@ def _merge_splits_kernel(
     m = tl.load(split_max_ptr + row, mask=split_ok, other=float("-inf"))
     sums = tl.load(split_sum_ptr + row, mask=split_ok, other=0.0)
     m_max = tl.max(m, 0)
-    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits: exp2(-inf) = 0
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+    weight = tl.exp2(m - m_ref)  # empty splits: exp2(-inf) = 0
     denom = tl.sum(sums * weight, 0)
+    if USE_SINKS:
+        denom += _sink_weight(sinks_ptr, head, True, m_ref)
     offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
     # splits that saw no key (m = -inf: empty splits write no accumulator) are not read
     acc_ok = split_ok & (m > float("-inf"))

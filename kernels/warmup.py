@@ -40,6 +40,7 @@ def warm_up(
     sliding_window: int | None,
     softcap: float | None,
     max_num_seqs: int,
+    sinks_dtype: torch.dtype | None = None,
     max_num_batched_tokens: int,
     column_multiple: int = 16,
     dtype: torch.dtype | None = None,
@@ -51,10 +52,13 @@ def warm_up(
     ``column_multiple``: the caller pads block-table rows to a multiple of this (the row stride is a
     specialized kernel argument). fp8 caches need the query ``dtype`` and the layer's ``kv_scales``.
     ``launch_pdl``: the variants with programmatic dependent launch (as the engine will launch them).
+    ``sinks_dtype``: the layer passes attention sinks of this dtype (the variants that read them).
     """
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     device, dtype = k_cache.device, dtype or k_cache.dtype  # dtype: the queries' (fp8 caches: the model's)
     scales = {} if kv_scales is None else {"k_scale": kv_scales[0], "v_scale": kv_scales[1]}
+    if sinks_dtype is not None:
+        scales["sinks"] = torch.zeros(num_heads, dtype=sinks_dtype, device=k_cache.device)
     capacity = k_cache.shape[0] * block_size
     budget = max(max_num_batched_tokens, 64)
     seq_counts = sorted({min(n, max_num_seqs) for n in SEARCH_BLOCK_SEQ_COUNTS})

@@ -155,6 +155,12 @@ MORE_ARCHS: dict[str, dict] = {
     "seed_oss": {},
     "ernie4_5": {},
     "helium": {},
+    # attention sinks (s_aux): GPT-OSS (MoE, alternating windows), Granite-SWA (its MoE too), MiMo-V2-Flash (sinks in
+    # its sliding layers only, which have twice the KV heads)
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
+    "granite_swa": dict(sliding_window=8),
+    "granitemoe_swa": dict(sliding_window=8, num_local_experts=4, num_experts_per_tok=2),
+    "mimo_v2_flash": dict(sliding_window=8),
 }
 
 

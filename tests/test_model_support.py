@@ -22,8 +22,6 @@ from hfpaged.model.attention import UnsupportedModelError, check_attention_call
 SMALL = dict(TINY_TEXT, max_position_embeddings=256, initializer_range=0.3)
 
 CASES = {
-    # attention sinks reach the attention function as ``s_aux``
-    "gpt_oss": ("GptOssConfig", dict(num_local_experts=2, num_experts_per_tok=1, sliding_window=8), "s_aux"),
     # chunked attention exists only in the mask the model builds
     "llama4": (
         "Llama4TextConfig",
@@ -126,7 +124,7 @@ def test_a_model_whose_generate_numbers_positions_itself_is_refused_unless_it_co
 def test_neutral_inputs_and_a_vision_towers_layer_types_do_not_refuse_a_model():
     # LLaVA-OneVision hands logits_to_keep down to attention; a vision config's layer_types never run in text
     module = torch.nn.Module()
-    check_attention_call(module, None, dict(logits_to_keep=0))
+    check_attention_call(module, None, dict(logits_to_keep=0), 4)
     config = transformers.LlavaConfig(
         text_config=transformers.LlamaConfig(**SMALL),
         vision_config=transformers.CLIPVisionConfig(
@@ -147,18 +145,24 @@ def test_neutral_inputs_and_a_vision_towers_layer_types_do_not_refuse_a_model():
 def test_an_attention_call_is_checked_for_extra_inputs_non_causal_modules_and_masks():
     module = torch.nn.Module()
     neutral = dict(hfpaged=object(), position_ids=torch.arange(3), use_cache=False, is_causal=True, sinks=None)
-    check_attention_call(module, None, neutral)  # nothing the kernels would ignore
-    check_attention_call(module, None, dict(hfpaged_block_tables=torch.zeros(1)))  # the compiled path's inputs
-    with pytest.raises(UnsupportedModelError, match="passes position_bias, s_aux to its attention function"):
-        check_attention_call(module, None, dict(s_aux=torch.zeros(4), position_bias=torch.zeros(1)))
+    check_attention_call(module, None, neutral, 4)  # nothing the kernels would ignore
+    check_attention_call(module, None, dict(hfpaged_block_tables=torch.zeros(1)), 4)  # the compiled path's inputs
+    check_attention_call(module, None, dict(s_aux=torch.zeros(4)), 4)  # attention sinks: one logit per query head
+    with pytest.raises(UnsupportedModelError, match="passes position_bias to its attention function"):
+        check_attention_call(module, None, dict(s_aux=torch.zeros(4), position_bias=torch.zeros(1)), 4)
+    for sinks, shape in ((torch.zeros(2), r"\(2,\)"), (torch.zeros(4, 1), r"\(4, 1\)"), ([0.0] * 4, "list")):
+        with pytest.raises(UnsupportedModelError, match=f"attention sinks \\(s_aux\\) of shape {shape}.*4 here"):
+            check_attention_call(module, None, dict(s_aux=sinks), 4)
+    with pytest.raises(UnsupportedModelError, match="attention sinks"):
+        check_attention_call(module, None, dict(s_aux=torch.zeros(4, dtype=torch.int64)), 4)
     with pytest.raises(UnsupportedModelError, match="non-causal"):
-        check_attention_call(module, None, dict(is_causal=False))
+        check_attention_call(module, None, dict(is_causal=False), 4)
     module.is_causal = False
     with pytest.raises(UnsupportedModelError, match="non-causal"):
-        check_attention_call(module, None, {})
+        check_attention_call(module, None, {}, 4)
     module.is_causal = True
     with pytest.raises(UnsupportedModelError, match="mask its model builds itself"):
-        check_attention_call(module, torch.zeros(1, 1, 3, 3), {})
+        check_attention_call(module, torch.zeros(1, 1, 3, 3), {}, 4)
 
 
 LIMITED = {

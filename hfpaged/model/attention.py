@@ -79,6 +79,7 @@ class LayerRecord:
     device: torch.device
     sliding_window: int | None
     softcap: float | None
+    sinks_dtype: torch.dtype | None = None  # the dtype of the attention sinks the module passes (``s_aux``), if any
 
 
 @dataclass
@@ -183,15 +184,16 @@ def paged_attention_forward(
     context = kwargs.get("hfpaged")
     if scaling is None:
         scaling = 1.0 / math.sqrt(query.shape[-1])
+    sinks = kwargs.get("s_aux")  # attention sinks (GPT-OSS and others): checked at patch (check_attention_call)
     if isinstance(context, PagedStep):
-        return _paged(context, module, query, key, value, scaling, sliding_window, softcap), None
+        return _paged(context, module, query, key, value, scaling, sliding_window, softcap, sinks), None
     if isinstance(context, Discovery):
-        check_attention_call(module, attention_mask, kwargs)
-        return _discover(context, module, query, key, value, sliding_window, softcap), None
+        check_attention_call(module, attention_mask, kwargs, query.shape[1])
+        return _discover(context, module, query, key, value, sliding_window, softcap, sinks), None
     if "hfpaged_block_tables" in kwargs:  # compiled decode: the metadata came as forward kwargs
         from .custom_ops import compiled_attention
 
-        return compiled_attention(module, query, key, value, scaling, sliding_window, softcap, kwargs), None
+        return compiled_attention(module, query, key, value, scaling, sliding_window, softcap, sinks, kwargs), None
     if getattr(_probing, "model", None) is not None:
         raise UnsupportedModelError(
             f"attention module {type(module).__name__} was called without hfpaged's step context: a decoder layer "
@@ -213,7 +215,7 @@ def paged_attention_forward(
     )
 
 
-def _paged(context: PagedStep, module, query, key, value, scaling, sliding_window, softcap) -> torch.Tensor:
+def _paged(context: PagedStep, module, query, key, value, scaling, sliding_window, softcap, sinks) -> torch.Tensor:
     if query.shape[0] != 1:
         raise ValueError(f"hfpaged expects a packed batch of shape [1, T], got batch size {query.shape[0]}")
     k_cache, v_cache = module._hfpaged_kv
@@ -225,6 +227,8 @@ def _paged(context: PagedStep, module, query, key, value, scaling, sliding_windo
         if context.calibrate:
             calibrate(scales[0], key, value, k_cache.dtype)
         kv_scales = {"k_scale": scales[1], "v_scale": scales[2]}
+    if sinks is not None:
+        kv_scales["sinks"] = sinks
     out = context.attention_fn(
         q,
         k_cache,
@@ -253,14 +257,24 @@ _NEUTRAL_KWARGS = frozenset(
 )
 
 
-def check_attention_call(module: torch.nn.Module, attention_mask: Any, kwargs: dict) -> None:
-    """Refuse (at ``patch``) an attention call that asks for more than causal, windowed, softcapped attention.
+def check_attention_call(module: torch.nn.Module, attention_mask: Any, kwargs: dict, num_heads: int) -> None:
+    """Refuse (at ``patch``) an attention call that asks for more than causal, windowed, softcapped attention with
+    optional sinks (``s_aux``: one floating-point logit per query head, as GPT-OSS passes them).
 
-    Anything else the model passes (attention sinks as ``s_aux``/``sinks``, position biases, sparse-attention
-    indices, packed-sequence boundaries), a non-causal module and a mask the model built itself (chunked or
-    bidirectional attention) would be ignored by the paged kernels: wrong tokens, so the model is refused.
+    Anything else the model passes (sinks of another shape, position biases, sparse-attention indices,
+    packed-sequence boundaries), a non-causal module and a mask the model built itself (chunked or bidirectional
+    attention) would be ignored by the paged kernels: wrong tokens, so the model is refused.
     """
     name = type(module).__name__
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        if not (isinstance(sinks, torch.Tensor) and sinks.is_floating_point() and tuple(sinks.shape) == (num_heads,)):
+            shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+            raise UnsupportedModelError(
+                f"{name} passes attention sinks (s_aux) of shape {shape}; hfpaged's kernels take one floating-point "
+                f"logit per query head ({num_heads} here)"
+            )
+        kwargs = {key: value for key, value in kwargs.items() if key != "s_aux"}
     if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
         raise UnsupportedModelError(
             f"{name} runs non-causal attention (is_causal=False); hfpaged pages causal attention only"
@@ -282,7 +296,7 @@ def check_attention_call(module: torch.nn.Module, attention_mask: Any, kwargs: d
         )
 
 
-def _discover(context: Discovery, module, query, key, value, sliding_window, softcap) -> torch.Tensor:
+def _discover(context: Discovery, module, query, key, value, sliding_window, softcap, sinks) -> torch.Tensor:
     if any(record.module is module for record in context.records):
         raise UnsupportedModelError(
             f"attention module {type(module).__name__} ran twice in one forward; "
@@ -301,6 +315,7 @@ def _discover(context: Discovery, module, query, key, value, sliding_window, sof
             device=key.device,
             sliding_window=sliding_window,
             softcap=softcap,
+            sinks_dtype=None if sinks is None else sinks.dtype,
         )
     )
     batch, num_heads, seq_len, _ = query.shape

@@ -63,6 +63,7 @@ def register_custom_ops() -> None:
         key: torch.Tensor,
         value: torch.Tensor,
         slot_mapping: torch.Tensor,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         return paged_attention(
             q,
@@ -82,6 +83,7 @@ def register_custom_ops() -> None:
             key=key,
             value=value,
             slot_mapping=slot_mapping,
+            sinks=sinks,
         )
 
     @paged_attention_op.register_fake
@@ -103,6 +105,7 @@ def register_custom_ops() -> None:
         key,
         value,
         slot_mapping,
+        sinks,
     ) -> torch.Tensor:
         return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
 
@@ -141,7 +144,7 @@ def register_custom_ops() -> None:
     _registered = True
 
 
-def compiled_attention(module, query, key, value, scaling, sliding_window, softcap, kwargs) -> torch.Tensor:
+def compiled_attention(module, query, key, value, scaling, sliding_window, softcap, sinks, kwargs) -> torch.Tensor:
     """The attention step of one layer when the metadata arrives as kwargs (compiled decode path)."""
     k_cache, v_cache = module._hfpaged_kv
     scales = module.__dict__.get("_hfpaged_kv_scale")  # fp8 caches: (whole, k_scale, v_scale); never calibrates
@@ -166,6 +169,7 @@ def compiled_attention(module, query, key, value, scaling, sliding_window, softc
         key,  # stored at the slots first (decode steps: by the attention kernel); prompt chunks then read them
         value,
         kwargs["hfpaged_slot_mapping"],
+        sinks,  # the module's parameter (attention sinks) or None
     )
     return out.unsqueeze(0)
 

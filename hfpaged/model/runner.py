@@ -227,15 +227,8 @@ class ModelRunner:
         seen = set()
         scales = self.state.kv_scales or [None] * len(self.state.layers)
         for layer, (k_cache, v_cache), layer_scales in zip(self.state.layers, self.state.kv_caches, scales):
-            key = (
-                layer.num_heads,
-                layer.num_kv_heads,
-                layer.head_dim,
-                layer.head_dim_v,
-                layer.dtype,
-                layer.sliding_window,
-                layer.softcap,
-            )
+            key = (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.head_dim_v, layer.dtype)
+            key += (layer.sliding_window, layer.softcap, layer.sinks_dtype)
             if key in seen:
                 continue
             seen.add(key)
@@ -245,6 +238,7 @@ class ModelRunner:
                 num_heads=layer.num_heads,
                 sliding_window=layer.sliding_window,
                 softcap=layer.softcap,
+                sinks_dtype=layer.sinks_dtype,
                 max_num_seqs=self.config.max_num_seqs,
                 max_num_batched_tokens=self.config.max_num_batched_tokens,
                 column_multiple=padded_width(1),
