@@ -150,7 +150,7 @@ def test_gpu_gpt_oss_heads_with_sinks_bf16(window):
         (torch.zeros(3), ValueError, r"sinks.shape\[0\] must be 4"),
         (torch.zeros(4, 1), ValueError, "sinks must have 1 dimensions"),
         (torch.zeros(4, dtype=torch.int32), TypeError, "sinks must have dtype"),
-        (torch.zeros(8)[::2], ValueError, "sinks must be contiguous"),
+        ("strided", ValueError, "sinks must be contiguous"),
         ([0.0] * 4, TypeError, "sinks must be a torch.Tensor"),
     ],
 )
@@ -158,6 +158,8 @@ def test_bad_sinks_are_refused(sinks, error, pattern):
     batch = make_batch([1, 2], [5, 6], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32)
     if isinstance(sinks, torch.Tensor):
         sinks = sinks.to(batch["q"].device)
+    elif sinks == "strided":  # made on the device: a copy there would be contiguous
+        sinks = torch.zeros(8, device=batch["q"].device)[::2]
     with pytest.raises(error, match=pattern):
         paged_attention(**batch, scale=0.25, sinks=sinks)
 
@@ -222,12 +224,13 @@ def test_sink_models_are_exact_under_swap_three_callers_and_prefix_hits(arch, ba
 
 
 def test_sinks_changed_in_place_are_read_by_the_next_call():
-    # the kernels read the module's parameter in every step (CUDA graphs included): no copy goes stale
+    # the kernels read the module's parameter in every step (CUDA graphs included: Granite-SWA, a dense model, replays
+    # float32 steps from graphs; float32 MoE models run eagerly on CUDA, tests/test_architectures.py)
     from models import random_prompts, reference_generate
 
     import hfpaged
 
-    model, sinks = _sink_model("gpt_oss")
+    model, sinks = _sink_model("granite_swa")
     prompts = random_prompts([6, 14, 25], seed=6)
     settings = dict(max_new_tokens=10, do_sample=False)
     hfpaged.patch(model, num_blocks=24, block_size=4)
@@ -239,3 +242,4 @@ def test_sinks_changed_in_place_are_read_by_the_next_call():
             p.mul_(-2.0).add_(1.0)
     expected = reference_generate(model, prompts, **settings)  # stock generate of the patched model, new sinks
     assert [r.token_ids for r in model.generate_many(prompts, **settings)] == expected
+    assert (model._hfpaged.engine.runner.num_graph_steps > 0) == CUDA
