@@ -164,6 +164,16 @@ MORE_ARCHS: dict[str, dict] = {
 }
 
 
+def _has_model_type(model_type: str) -> bool:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return model_type in CONFIG_MAPPING_NAMES
+
+
+if _has_model_type("flint"):  # transformers 5.24 on: sinks, and rotary sliding layers beside NoPE full layers
+    MORE_ARCHS["flint"] = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+
+
 # The text part of a tiny config, for config classes built by name (tests/test_model_support.py too).
 TINY_TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
 TINY_TEXT.update(num_key_value_heads=2, head_dim=16, max_position_embeddings=MAX_POS)
