@@ -182,10 +182,11 @@ LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, factor=4.0, original_m
 LONGROPE.update(short_factor=[1.0] * 8, long_factor=[3.0] * 8)
 
 
-def make_more_model(arch: str, seed: int = 0):
-    """A tiny random-weight model of one of ``MORE_ARCHS`` (float32)."""
+def make_more_model(arch: str, seed: int = 0, **overrides):
+    """A tiny random-weight model of one of ``MORE_ARCHS`` (float32), its config settings updated by ``overrides``."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     base = dict(TINY_TEXT, initializer_range=0.25, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(CONFIG_MAPPING[arch](**{**base, **MORE_ARCHS[arch]})).eval()
+    config = CONFIG_MAPPING[arch](**{**base, **MORE_ARCHS[arch], **overrides})
+    return AutoModelForCausalLM.from_config(config).eval()

@@ -13,11 +13,11 @@ LENGTHS = [1, 5, 13, 30, 9]
 POOL = dict(num_blocks=12, block_size=4, max_num_seqs=3, max_num_batched_tokens=16)
 
 
-def check_parity(model) -> None:
+def check_parity(model, **options) -> None:
     prompts = random_prompts(LENGTHS, seed=3)
     expected = reference_generate(model, prompts, max_new_tokens=16, do_sample=False)
     assert sum(len(set(e)) > 3 for e in expected) >= len(expected) // 2  # the continuations vary
-    hfpaged.patch(model, **POOL)
+    hfpaged.patch(model, **POOL, **options)
     assert model._hfpaged.length_limit is None
     results = model.generate_many(prompts, max_new_tokens=16, do_sample=False)
     assert [r.token_ids for r in results] == expected
@@ -30,12 +30,20 @@ def test_more_architectures_are_token_exact(arch):
     check_parity(make_more_model(arch))
 
 
+# Value heads of another size than the query/key heads: DeepSeek-V3's MLA (24 vs 16 here), MiMo-V2-Flash (16 vs 32
+# here; fewer experts than its default, for the interpreter's time). The Triton kernels size them apart
+# (tests/test_kernels.py); on the CPU they run interpreted.
+VALUE_HEADS = {"deepseek_v3": {}, "mimo_v2_flash": dict(v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2)}
+
+
+@pytest.mark.parametrize("arch", list(VALUE_HEADS))
+def test_value_heads_of_another_size_are_token_exact_through_the_triton_kernels(arch):
+    check_parity(make_more_model(arch, **VALUE_HEADS[arch]), attention_backend="triton")
+
+
 # In float32, transformers' MoE experts take a fallback that copies host data (no grouped_mm for float32 under
-# torch.compile): the graph capture fails and these steps run eagerly (exact either way; H100, session 27).
-EAGER_IN_FLOAT32 = {"mixtral", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe_swa"}
-# Query/key heads wider than value heads (MLA: 24 vs 16; MiMo-V2-Flash: 16 vs its v_head_dim); the Triton kernels
-# need one head size, so the torch attention runs.
-TORCH_ATTENTION = {"deepseek_v3", "mimo_v2_flash"}
+# torch.compile): the graph capture fails and these steps run eagerly (exact either way; H100, sessions 27-28).
+EAGER_IN_FLOAT32 = {"mixtral", "qwen3_moe", "olmoe", "gpt_oss", "granitemoe_swa", "deepseek_v3", "mimo_v2_flash"}
 
 
 @pytest.mark.gpu
@@ -44,6 +52,14 @@ def test_more_architectures_are_token_exact_on_cuda_with_default_options(arch):
     model = make_more_model(arch).cuda()
     check_parity(model)
     state = model._hfpaged
-    assert state.use_triton == (arch not in TORCH_ATTENTION)
-    graphs = state.use_triton and arch not in EAGER_IN_FLOAT32
-    assert (state.engine.runner.num_graph_steps > 0) == graphs
+    assert state.use_triton
+    assert (state.engine.runner.num_graph_steps > 0) == (arch not in EAGER_IN_FLOAT32)
+
+
+@pytest.mark.gpu
+def test_mla_heads_replay_from_cuda_graphs():
+    # DeepSeek-V3 with dense MLPs only (no float32 MoE fallback): MLA's value heads through the graphs and the
+    # compiled layers' custom op
+    model = make_more_model("deepseek_v3", first_k_dense_replace=2).cuda()
+    check_parity(model)
+    assert model._hfpaged.use_triton and model._hfpaged.engine.runner.num_graph_steps > 0

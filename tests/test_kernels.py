@@ -753,3 +753,58 @@ def test_one_query_decode_map_equals_the_searched_map(group):
     assert not chosen(9, 8, 2)  # a sequence with two query tokens
     assert not chosen(7, 8, 1)  # a sequence with none
     assert not chosen(16, 8, 4)
+
+
+# Value heads of another size than query/key heads (MLA: DeepSeek-V3's 192 / 128, MiMo-V2-Flash): (id, q_lens,
+# seq_lens, num_heads, num_kv_heads, head_dim, head_dim_v, dtype, window, softcap)
+VALUE_HEAD_CASES = [
+    ("decode_24_16", [1, 1, 1, 1], [3, 17, 40, 90], 4, 4, 24, 16, torch.float32, None, None),
+    ("mixed_192_128", [1, 30, 7, 1], [50, 30, 60, 9], 4, 2, 192, 128, torch.float16, None, None),
+    ("prompt_64_32_window_softcap", [1, 20, 33], [40, 20, 70], 4, 2, 64, 32, torch.float32, 16, 3.0),
+    ("chunk_48_128", [9, 1], [70, 33], 2, 1, 48, 128, torch.float16, None, None),
+]
+
+
+@pytest.mark.parametrize("dtype_override", CASE_DTYPES, ids=lambda d: "bf16" if d else "base")
+@pytest.mark.parametrize("case", VALUE_HEAD_CASES, ids=[c[0] for c in VALUE_HEAD_CASES])
+def test_value_heads_of_another_size(case, dtype_override):
+    _, q_lens, seq_lens, num_heads, num_kv_heads, head_dim, head_dim_v, dtype, window, softcap = case
+    dtype = dtype_override or dtype
+    batch = make_batch(
+        q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, head_dim_v=head_dim_v,
+        block_size=16, dtype=dtype, table_tail="minus1" if CUDA else "poison",
+    )  # fmt: skip
+    kwargs = dict(scale=head_dim**-0.5, sliding_window=window, softcap=softcap)
+    ref = paged_attention_reference(**batch, **kwargs)
+    assert ref.shape[-1] == head_dim_v and not ref.isnan().any()
+    assert_close(paged_attention(**batch, **kwargs), ref, dtype)
+    configs = (AttentionConfig(16, 16, 4, 1, num_splits=3), AttentionConfig(64, 32, 4, 1))
+    for config in configs:
+        assert_close(paged_attention_with_config(**batch, **kwargs, config=config, out=poisoned_out(batch)), ref, dtype)
+    # the step's own K/V given and stored first (decode steps: by the attention kernel itself)
+    gen = torch.Generator().manual_seed(9)
+    num_tokens = sum(q_lens)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(batch["q"])
+    value = torch.randn(num_tokens, num_kv_heads, head_dim_v, generator=gen).to(batch["q"])
+    tables = batch["block_tables"].long().cpu()
+    slots = torch.tensor(
+        [int(tables[b, p // 16]) * 16 + p % 16 for b, (q, s) in enumerate(zip(q_lens, seq_lens)) for p in range(s - q, s)]
+    ).to(batch["q"].device)
+    stored = {**batch, "k_cache": batch["k_cache"].clone(), "v_cache": batch["v_cache"].clone()}
+    expected = paged_attention_reference(**stored, **kwargs, key=key, value=value, slot_mapping=slots)
+    out = paged_attention(**batch, **kwargs, key=key, value=value, slot_mapping=slots.int(),
+                          max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens))  # fmt: skip
+    assert_close(out, expected, dtype)
+    assert torch.equal(batch["v_cache"].float().nan_to_num(7.0), stored["v_cache"].float().nan_to_num(7.0))
+
+
+def test_value_heads_of_another_size_with_fp8_caches():
+    batch = make_batch([1, 1, 20, 6], [30, 70, 20, 50], num_heads=4, num_kv_heads=2, head_dim=48, head_dim_v=32,
+                       block_size=16, dtype=torch.float16)  # fmt: skip
+    scales = {"k_scale": torch.tensor([0.02], device=DEVICE), "v_scale": torch.tensor([0.03], device=DEVICE)}
+    for name, scale in (("k_cache", scales["k_scale"]), ("v_cache", scales["v_scale"])):
+        batch[name] = (batch[name].float() / scale).clamp(-200, 200).to(torch.float8_e4m3fn)
+    ref = paged_attention_reference(**batch, **scales, scale=48**-0.5)
+    assert_close(paged_attention(**batch, **scales, scale=48**-0.5), ref, torch.float16)
+    config = AttentionConfig(16, 32, 4, 1, num_splits=3)
+    assert_close(paged_attention_with_config(**batch, **scales, scale=48**-0.5, config=config), ref, torch.float16)

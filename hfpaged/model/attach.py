@@ -142,7 +142,7 @@ class PatchState:
             return False
         if backend == "triton":
             return True
-        return self.uses_cuda and all(layer.head_dim == layer.head_dim_v for layer in self.layers)
+        return self.uses_cuda
 
     @property
     def dependent_launch(self) -> bool:
