@@ -788,7 +788,11 @@ def test_value_heads_of_another_size(case, dtype_override):
     value = torch.randn(num_tokens, num_kv_heads, head_dim_v, generator=gen).to(batch["q"])
     tables = batch["block_tables"].long().cpu()
     slots = torch.tensor(
-        [int(tables[b, p // 16]) * 16 + p % 16 for b, (q, s) in enumerate(zip(q_lens, seq_lens)) for p in range(s - q, s)]
+        [
+            int(tables[b, p // 16]) * 16 + p % 16
+            for b, (q, s) in enumerate(zip(q_lens, seq_lens))
+            for p in range(s - q, s)
+        ]
     ).to(batch["q"].device)
     stored = {**batch, "k_cache": batch["k_cache"].clone(), "v_cache": batch["v_cache"].clone()}
     expected = paged_attention_reference(**stored, **kwargs, key=key, value=value, slot_mapping=slots)
