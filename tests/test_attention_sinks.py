@@ -6,7 +6,7 @@ Without CUDA the kernels run in Triton's interpreter (fp32/fp16); with CUDA the 
 
 import pytest
 import torch
-from test_kernels import CASE_DTYPES, CASES, assert_close, make_batch, poisoned_out
+from test_kernels import CASE_DTYPES, CASES, assert_close, case_batch, make_batch, poisoned_out
 
 from hfpaged.kernels import paged_attention, paged_attention_reference, store_kv_reference
 from hfpaged.kernels.attention_config import AttentionConfig
@@ -24,14 +24,8 @@ def _sinks(num_heads, device, dtype=torch.float32, seed=1):
 @pytest.mark.parametrize("dtype_override", CASE_DTYPES, ids=lambda d: "bf16" if d else "base")
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_paged_attention_with_sinks_matches_reference(case, dtype_override):
-    _, q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, window, softcap = case
-    dtype = dtype_override or dtype
-    batch = make_batch(
-        q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        block_size=block_size, dtype=dtype, table_tail="minus1" if CUDA else "poison",
-    )  # fmt: skip
-    sinks = _sinks(num_heads, batch["q"].device)
-    kwargs = dict(scale=head_dim**-0.5, sliding_window=window, softcap=softcap, sinks=sinks)
+    batch, kwargs, dtype = case_batch(case, dtype_override)
+    kwargs["sinks"] = _sinks(case[3], batch["q"].device)
     ref = paged_attention_reference(**batch, **kwargs)
     without = paged_attention_reference(**batch, **{**kwargs, "sinks": None})
     assert not ref.isnan().any()

@@ -111,16 +111,22 @@ CASES = [
 CASE_DTYPES = [None, torch.bfloat16] if CUDA else [None]
 
 
-@pytest.mark.parametrize("dtype_override", CASE_DTYPES, ids=lambda d: "bf16" if d else "base")
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_paged_attention_matches_reference(case, dtype_override):
+def case_batch(case, dtype_override=None, **overrides):
+    """(batch, attention kwargs, dtype) of a ``CASES`` entry; ``overrides`` go to make_batch (e.g. head_dim_v)."""
     _, q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, window, softcap = case
     dtype = dtype_override or dtype
     batch = make_batch(
         q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        block_size=block_size, dtype=dtype, table_tail="minus1" if CUDA else "poison",
+        block_size=block_size, dtype=dtype, table_tail="minus1" if CUDA else "poison", **overrides,
     )  # fmt: skip
-    kwargs = dict(scale=head_dim**-0.5, sliding_window=window, softcap=softcap)
+    return batch, dict(scale=head_dim**-0.5, sliding_window=window, softcap=softcap), dtype
+
+
+@pytest.mark.parametrize("dtype_override", CASE_DTYPES, ids=lambda d: "bf16" if d else "base")
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_paged_attention_matches_reference(case, dtype_override):
+    q_lens, seq_lens = case[1], case[2]
+    batch, kwargs, dtype = case_batch(case, dtype_override)
     ref = paged_attention_reference(**batch, **kwargs)
     assert not ref.isnan().any()
     assert_close(paged_attention(**batch, **kwargs), ref, dtype)
@@ -755,26 +761,21 @@ def test_one_query_decode_map_equals_the_searched_map(group):
     assert not chosen(16, 8, 4)
 
 
-# Value heads of another size than query/key heads (MLA: DeepSeek-V3's 192 / 128, MiMo-V2-Flash): (id, q_lens,
-# seq_lens, num_heads, num_kv_heads, head_dim, head_dim_v, dtype, window, softcap)
+# Value heads of another size than query/key heads (MLA: DeepSeek-V3's 192 / 128, MiMo-V2-Flash): a CASES entry
+# (block size 16) and the value heads' size
 VALUE_HEAD_CASES = [
-    ("decode_24_16", [1, 1, 1, 1], [3, 17, 40, 90], 4, 4, 24, 16, torch.float32, None, None),
-    ("mixed_192_128", [1, 30, 7, 1], [50, 30, 60, 9], 4, 2, 192, 128, torch.float16, None, None),
-    ("prompt_64_32_window_softcap", [1, 20, 33], [40, 20, 70], 4, 2, 64, 32, torch.float32, 16, 3.0),
-    ("chunk_48_128", [9, 1], [70, 33], 2, 1, 48, 128, torch.float16, None, None),
+    (("decode_24_16", [1, 1, 1, 1], [3, 17, 40, 90], 4, 4, 24, 16, torch.float32, None, None), 16),
+    (("mixed_192_128", [1, 30, 7, 1], [50, 30, 60, 9], 4, 2, 192, 16, torch.float16, None, None), 128),
+    (("prompt_64_32_window_softcap", [1, 20, 33], [40, 20, 70], 4, 2, 64, 16, torch.float32, 16, 3.0), 32),
+    (("chunk_48_128", [9, 1], [70, 33], 2, 1, 48, 16, torch.float16, None, None), 128),
 ]
 
 
 @pytest.mark.parametrize("dtype_override", CASE_DTYPES, ids=lambda d: "bf16" if d else "base")
-@pytest.mark.parametrize("case", VALUE_HEAD_CASES, ids=[c[0] for c in VALUE_HEAD_CASES])
-def test_value_heads_of_another_size(case, dtype_override):
-    _, q_lens, seq_lens, num_heads, num_kv_heads, head_dim, head_dim_v, dtype, window, softcap = case
-    dtype = dtype_override or dtype
-    batch = make_batch(
-        q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, head_dim_v=head_dim_v,
-        block_size=16, dtype=dtype, table_tail="minus1" if CUDA else "poison",
-    )  # fmt: skip
-    kwargs = dict(scale=head_dim**-0.5, sliding_window=window, softcap=softcap)
+@pytest.mark.parametrize("case,head_dim_v", VALUE_HEAD_CASES, ids=[c[0][0] for c in VALUE_HEAD_CASES])
+def test_value_heads_of_another_size(case, head_dim_v, dtype_override):
+    q_lens, seq_lens, num_kv_heads, head_dim = case[1], case[2], case[4], case[5]
+    batch, kwargs, dtype = case_batch(case, dtype_override, head_dim_v=head_dim_v)
     ref = paged_attention_reference(**batch, **kwargs)
     assert ref.shape[-1] == head_dim_v and not ref.isnan().any()
     assert_close(paged_attention(**batch, **kwargs), ref, dtype)
