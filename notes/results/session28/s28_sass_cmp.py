@@ -1,7 +1,6 @@
 """Session 28: compile paged_attention variants (and the split merge) for sm_90 with Triton 3.6 on the CPU, in one repo tree
 (its hfpaged/kernels a link to ../kernels); write each variant's registers and SASS to a JSON file (session 25's fake-driver
 method). Run: /tmp/t36/bin/python s28_sass_cmp.py REPO OUT.json"""
-print each variant's registers and SASS instruction counts (session 25's fake-driver method)."""
 import os, re, subprocess, sys, tempfile, importlib, json
 os.environ.pop("TRITON_INTERPRET", None)
 import torch, triton
