@@ -116,11 +116,9 @@ def check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens
         q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q
     )
     if sinks is not None:  # attention sinks: one logit per query head
-        check_tensor("sinks", sinks, 1, FLOAT_DTYPES)
+        check_tensor("sinks", sinks, 1, (*FLOAT_DTYPES, torch.float64))
         check_devices(q=q, sinks=sinks)
         check_dim("sinks", sinks, 0, q.shape[1], "q.shape[1], num_heads")
-        if sinks.stride(0) != 1:
-            raise ValueError(f"sinks must be contiguous, got stride {sinks.stride(0)}")
     if not fp8 and k_cache.dtype != q.dtype:
         raise TypeError(f"k_cache dtype {k_cache.dtype} differs from q dtype {q.dtype}; they must match (or be fp8)")
     num_heads, head_dim = q.shape[1], q.shape[2]

@@ -305,9 +305,11 @@ def paged_attention(
     ``slot_mapping`` (``[T]`` int32/int64, -1 = none; needs ``key``/``value``): store the step's keys and values into
     the caches first, as ``store_kv`` would; in a step of one query token per sequence (``max_seqlen_q`` 1 and as
     many tokens as sequences) the attention kernel writes them itself, one launch less. ``sinks`` (``[num_heads]``,
-    any float dtype): attention sinks, one logit per head that joins each row's softmax with no value (GPT-OSS).
+    any float dtype and stride): attention sinks, one logit per head that joins each row's softmax with no value (GPT-OSS).
     """
     check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale, sinks)
+    if sinks is not None and (sinks.dtype == torch.float64 or sinks.stride(0) != 1):
+        sinks = sinks.to(torch.float32).contiguous()  # the kernels read 16/32-bit sinks of stride 1 (a copy per call)
     check_launch_pdl(launch_pdl, q.device)
     if not scale > 0:
         raise ValueError(f"scale must be a positive float, got {scale!r}")

@@ -144,7 +144,6 @@ def test_gpu_gpt_oss_heads_with_sinks_bf16(window):
         (torch.zeros(3), ValueError, r"sinks.shape\[0\] must be 4"),
         (torch.zeros(4, 1), ValueError, "sinks must have 1 dimensions"),
         (torch.zeros(4, dtype=torch.int32), TypeError, "sinks must have dtype"),
-        ("strided", ValueError, "sinks must be contiguous"),
         ([0.0] * 4, TypeError, "sinks must be a torch.Tensor"),
     ],
 )
@@ -152,10 +151,20 @@ def test_bad_sinks_are_refused(sinks, error, pattern):
     batch = make_batch([1, 2], [5, 6], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32)
     if isinstance(sinks, torch.Tensor):
         sinks = sinks.to(batch["q"].device)
-    elif sinks == "strided":  # made on the device: a copy there would be contiguous
-        sinks = torch.zeros(8, device=batch["q"].device)[::2]
     with pytest.raises(error, match=pattern):
         paged_attention(**batch, scale=0.25, sinks=sinks)
+
+
+def test_sinks_of_any_float_dtype_and_stride():
+    # a model's sinks may be float64 or a strided view (made on the device: a copy there would be contiguous); the
+    # kernels read a float32 copy of those, the others as they are
+    batch = make_batch([1, 7], [30, 7], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32)
+    device = batch["q"].device
+    packed = _sinks(8, device)
+    ref = paged_attention_reference(**batch, scale=0.25, sinks=packed[::2].contiguous())
+    for sinks in (packed[::2], packed[::2].double(), packed[::2].half(), packed[::2].contiguous()):
+        expected = ref if sinks.dtype != torch.float16 else paged_attention_reference(**batch, scale=0.25, sinks=sinks)
+        assert_close(paged_attention(**batch, scale=0.25, sinks=sinks), expected, torch.float32)
 
 
 # ---- the engine: models that pass sinks, against stock generate -------------------------------------------------
@@ -237,3 +246,24 @@ def test_sinks_changed_in_place_are_read_by_the_next_call():
     expected = reference_generate(model, prompts, **settings)  # stock generate of the patched model, new sinks
     assert [r.token_ids for r in model.generate_many(prompts, **settings)] == expected
     assert (model._hfpaged.engine.runner.num_graph_steps > 0) == CUDA
+
+
+def test_a_model_whose_sinks_are_float64_or_strided_is_served_exactly():
+    # before: patch accepted them and every step of the Triton backend then failed on the kernels' checks
+    from models import random_prompts, reference_generate
+
+    import hfpaged
+
+    model, _ = _sink_model("gpt_oss", device="cpu")
+    layers = model.model.layers
+    num_heads = layers[0].self_attn.sinks.shape[0]
+    del layers[0].self_attn.sinks
+    layers[0].self_attn.sinks = torch.randn(2 * num_heads, generator=torch.Generator().manual_seed(2))[::2]
+    layers[1].self_attn.sinks = torch.nn.Parameter(layers[1].self_attn.sinks.detach().double())
+    model.to("cuda" if CUDA else "cpu")
+    if CUDA:  # the view again, made on the device (moving it made it contiguous)
+        layers[0].self_attn.sinks = torch.randn(2 * num_heads, device="cuda")[::2]
+    prompts = random_prompts([5, 12, 20], seed=8)
+    expected = reference_generate(model, prompts, max_new_tokens=8, do_sample=False)
+    hfpaged.patch(model, num_blocks=24, block_size=4, attention_backend="triton")
+    assert [r.token_ids for r in model.generate_many(prompts, max_new_tokens=8, do_sample=False)] == expected
