@@ -8,6 +8,7 @@ results = model.generate_many(prompts, tokenizer=tok, max_new_tokens=64)
 from .core.config import EngineConfig
 from .engine import Engine
 from .generate import generate_many
+from .model.attention import UnsupportedModelError
 from .outputs import GenerationResult, RequestOutput, SequenceOutput
 from .patch import patch, reset_prefix_cache, sleep, stats, unpatch, wake
 from .serve import Server
@@ -21,6 +22,7 @@ __all__ = [
     "SequenceOutput",
     "Server",
     "StreamEvent",
+    "UnsupportedModelError",
     "astream_many",
     "generate_many",
     "patch",

@@ -269,10 +269,14 @@ def check_attention_call(module: torch.nn.Module, attention_mask: Any, kwargs: d
     sinks = kwargs.get("s_aux")
     if sinks is not None:
         if not (isinstance(sinks, torch.Tensor) and sinks.is_floating_point() and tuple(sinks.shape) == (num_heads,)):
-            shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+            kind = (
+                f"of shape {tuple(sinks.shape)} and dtype {str(sinks.dtype).removeprefix('torch.')}"
+                if isinstance(sinks, torch.Tensor)
+                else f"as a {type(sinks).__name__}"
+            )
             raise UnsupportedModelError(
-                f"{name} passes attention sinks (s_aux) of shape {shape}; hfpaged's kernels take one floating-point "
-                f"logit per query head ({num_heads} here)"
+                f"{name} passes attention sinks (s_aux) {kind}; hfpaged's kernels take one floating-point logit per "
+                f"query head ({num_heads} here)"
             )
         kwargs = {key: value for key, value in kwargs.items() if key != "s_aux"}
     if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
