@@ -12,6 +12,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}  # largest finite value of each format
+MAX_HEAD_DIM = 256  # the widest query/key or value head paged_attention takes
 
 
 def interpreting() -> bool:
@@ -131,8 +132,8 @@ def check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens
         raise ValueError(
             f"num_heads (q.shape[1] = {num_heads}) must be a multiple of num_kv_heads (k_cache.shape[2] = {num_kv_heads})"
         )
-    if head_dim > 256 or v_cache.shape[3] > 256:
-        raise ValueError(f"head_dim must be at most 256, got q {head_dim} and v_cache {v_cache.shape[3]}")
+    if head_dim > MAX_HEAD_DIM or v_cache.shape[3] > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got q {head_dim} and v_cache {v_cache.shape[3]}")
     num_seqs = seq_lens.shape[0]
     check_dim("block_tables", block_tables, 0, num_seqs, "seq_lens.shape[0], the number of sequences")
     check_dim("cu_seqlens_q", cu_seqlens_q, 0, num_seqs + 1, "seq_lens.shape[0] + 1")

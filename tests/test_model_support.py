@@ -220,3 +220,20 @@ def test_a_model_exact_only_up_to_a_length_is_served_up_to_it_and_refuses_reques
     requests = [dict(prompt=p, max_new_tokens=n) for p, n in zip(prompts, budgets)] * 2
     assert generate_in_threads(model, requests, do_sample=False) == [[e, e] for e in expected]
     assert hfpaged.stats(model)["num_preemptions"] > 0
+
+
+def test_heads_wider_than_the_triton_kernels_take_run_the_torch_attention(monkeypatch):
+    # before: "auto" picked the Triton kernels on CUDA for any head size, and every step failed on their check
+    config = transformers.LlamaConfig(**{**SMALL, "head_dim": 288})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(3, 96, (1, 7))
+    before = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    with pytest.raises(ValueError, match="attention layer 0 has query/key heads of 288 and value heads of 288; the Tr"):
+        hfpaged.patch(model, num_blocks=16, attention_backend="triton")
+    assert not hasattr(model, "_hfpaged")
+    hfpaged.patch(model, num_blocks=16)
+    assert model.generate_many([ids[0].tolist()], max_new_tokens=6)[0].token_ids == before[0, 7:].tolist()
+    narrow = AutoModelForCausalLM.from_config(transformers.LlamaConfig(**{**SMALL, "head_dim": 256})).eval()
+    hfpaged.patch(narrow, num_blocks=16)
+    monkeypatch.setattr(type(model._hfpaged), "uses_cuda", property(lambda self: True))  # as on a GPU
+    assert not model._hfpaged.use_triton and narrow._hfpaged.use_triton

@@ -142,7 +142,7 @@ class PatchState:
             return False
         if backend == "triton":
             return True
-        return self.uses_cuda
+        return self.uses_cuda and wide_heads(self.layers) is None
 
     @property
     def dependent_launch(self) -> bool:
@@ -243,6 +243,8 @@ def _attach(
         check_triton_devices(layers, "gemv=True", "leave gemv None or False there")
     if config.attention_backend == "triton":
         check_triton_devices(layers, "attention_backend='triton'", "use 'auto' or 'torch' there")
+        if (wide := wide_heads(layers)) is not None:
+            raise ValueError(f"attention_backend='triton': {wide}; use 'auto' (the torch attention for this model)")
     num_blocks = size_pool(model, config, layers, attn_configs, input_device, model_len, lock)
     if tp is not None:
         num_blocks = tp.min_int(num_blocks)  # a block id names the same slots on every rank
@@ -322,6 +324,19 @@ def check_triton_devices(layers: list[LayerRecord], option: str, fix: str) -> No
             f"{option} runs Triton kernels: it needs CUDA devices (or TRITON_INTERPRET=1), got "
             f"{', '.join(map(str, devices))}; {fix}"
         )
+
+
+def wide_heads(layers: list[LayerRecord]) -> str | None:
+    """Why the Triton kernels cannot take the model's heads (a head wider than they take), or None."""
+    from ..kernels._checks import MAX_HEAD_DIM
+
+    for index, layer in enumerate(layers):
+        if max(layer.head_dim, layer.head_dim_v) > MAX_HEAD_DIM:
+            return (
+                f"attention layer {index} has query/key heads of {layer.head_dim} and value heads of "
+                f"{layer.head_dim_v}; the Triton kernels take heads of at most {MAX_HEAD_DIM}"
+            )
+    return None
 
 
 def bind_caches(state: PatchState, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
