@@ -11,6 +11,7 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
+SINK_DTYPES = (*FLOAT_DTYPES, torch.float64)  # attention sinks (16/32-bit read as they are, float64 as a copy)
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}  # largest finite value of each format
 MAX_HEAD_DIM = 256  # the widest query/key or value head paged_attention takes
 
@@ -117,7 +118,7 @@ def check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens
         q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q
     )
     if sinks is not None:  # attention sinks: one logit per query head
-        check_tensor("sinks", sinks, 1, (*FLOAT_DTYPES, torch.float64))
+        check_tensor("sinks", sinks, 1, SINK_DTYPES)
         check_devices(q=q, sinks=sinks)
         check_dim("sinks", sinks, 0, q.shape[1], "q.shape[1], num_heads")
     if not fp8 and k_cache.dtype != q.dtype:

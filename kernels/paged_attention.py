@@ -305,7 +305,8 @@ def paged_attention(
     ``slot_mapping`` (``[T]`` int32/int64, -1 = none; needs ``key``/``value``): store the step's keys and values into
     the caches first, as ``store_kv`` would; in a step of one query token per sequence (``max_seqlen_q`` 1 and as
     many tokens as sequences) the attention kernel writes them itself, one launch less. ``sinks`` (``[num_heads]``,
-    any float dtype and stride): attention sinks, one logit per head that joins each row's softmax with no value (GPT-OSS).
+    16-64-bit floats, any stride): attention sinks, one logit per head that joins each row's softmax with no value
+    (GPT-OSS's ``s_aux``).
     """
     check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale, sinks)
     if sinks is not None and (sinks.dtype == torch.float64 or sinks.stride(0) != 1):

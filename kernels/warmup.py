@@ -40,12 +40,12 @@ def warm_up(
     sliding_window: int | None,
     softcap: float | None,
     max_num_seqs: int,
-    sinks_dtype: torch.dtype | None = None,
     max_num_batched_tokens: int,
     column_multiple: int = 16,
     dtype: torch.dtype | None = None,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     launch_pdl: bool = False,
+    sinks_dtype: torch.dtype | None = None,
 ) -> None:
     """Run every variant once on one layer's caches (writing nothing: every slot is -1).
 
@@ -56,9 +56,9 @@ def warm_up(
     """
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     device, dtype = k_cache.device, dtype or k_cache.dtype  # dtype: the queries' (fp8 caches: the model's)
-    scales = {} if kv_scales is None else {"k_scale": kv_scales[0], "v_scale": kv_scales[1]}
+    options = {} if kv_scales is None else {"k_scale": kv_scales[0], "v_scale": kv_scales[1]}
     if sinks_dtype is not None:
-        scales["sinks"] = torch.zeros(num_heads, dtype=sinks_dtype, device=k_cache.device)
+        options["sinks"] = torch.zeros(num_heads, dtype=sinks_dtype, device=k_cache.device)
     capacity = k_cache.shape[0] * block_size
     budget = max(max_num_batched_tokens, 64)
     seq_counts = sorted({min(n, max_num_seqs) for n in SEARCH_BLOCK_SEQ_COUNTS})
@@ -115,7 +115,7 @@ def warm_up(
             key=kv,  # as the engine passes the step's keys (prompt chunks: the variant reading them by TMA)
             value=values,
             slot_mapping=slots,  # stores nothing; decode batches: the variant that stores in the kernel
-            **scales,
+            **options,
         )
 
     run_all(run, todo, device)

@@ -154,6 +154,7 @@ def test_an_attention_call_is_checked_for_extra_inputs_non_causal_modules_and_ma
         r"of shape \(2,\) and dtype float32": torch.zeros(2),
         r"of shape \(4, 1\) and dtype float32": torch.zeros(4, 1),
         r"of shape \(4,\) and dtype int64": torch.zeros(4, dtype=torch.int64),
+        r"of shape \(4,\) and dtype float8_e4m3fn": torch.zeros(4).to(torch.float8_e4m3fn),  # the kernels take none
         "as a list": [0.0] * 4,
     }
     for what, sinks in bad.items():

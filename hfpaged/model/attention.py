@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
+from ..kernels._checks import SINK_DTYPES
 from . import hf_compat
 from .kv_quant import calibrate
 
@@ -222,13 +223,11 @@ def _paged(context: PagedStep, module, query, key, value, scaling, sliding_windo
     meta = context.metadata.on(query.device)
     q, key, value = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     scales = module.__dict__.get("_hfpaged_kv_scale")  # fp8 caches: (whole [2], k_scale, v_scale)
-    kv_scales = {}
+    options = {} if sinks is None else {"sinks": sinks}
     if scales is not None:
         if context.calibrate:
             calibrate(scales[0], key, value, k_cache.dtype)
-        kv_scales = {"k_scale": scales[1], "v_scale": scales[2]}
-    if sinks is not None:
-        kv_scales["sinks"] = sinks
+        options.update(k_scale=scales[1], v_scale=scales[2])
     out = context.attention_fn(
         q,
         k_cache,
@@ -244,7 +243,7 @@ def _paged(context: PagedStep, module, query, key, value, scaling, sliding_windo
         key=key,  # stored at the slots first; prompt chunks then read them instead of gathering what was stored
         value=value,
         slot_mapping=meta.slot_mapping,
-        **kv_scales,
+        **options,
     )
     return out.unsqueeze(0)
 
@@ -268,7 +267,7 @@ def check_attention_call(module: torch.nn.Module, attention_mask: Any, kwargs: d
     name = type(module).__name__
     sinks = kwargs.get("s_aux")
     if sinks is not None:
-        if not (isinstance(sinks, torch.Tensor) and sinks.is_floating_point() and tuple(sinks.shape) == (num_heads,)):
+        if not (isinstance(sinks, torch.Tensor) and sinks.dtype in SINK_DTYPES and tuple(sinks.shape) == (num_heads,)):
             kind = (
                 f"of shape {tuple(sinks.shape)} and dtype {str(sinks.dtype).removeprefix('torch.')}"
                 if isinstance(sinks, torch.Tensor)
