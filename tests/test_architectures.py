@@ -30,15 +30,10 @@ def test_more_architectures_are_token_exact(arch):
     check_parity(make_more_model(arch))
 
 
-# Value heads of another size than the query/key heads: DeepSeek-V3's MLA (24 vs 16 here), MiMo-V2-Flash (16 vs 32
-# here; fewer experts than its default, for the interpreter's time). The Triton kernels size them apart
-# (tests/test_kernels.py); on the CPU they run interpreted.
-VALUE_HEADS = {"deepseek_v3": {}, "mimo_v2_flash": dict(v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2)}
-
-
-@pytest.mark.parametrize("arch", list(VALUE_HEADS))
-def test_value_heads_of_another_size_are_token_exact_through_the_triton_kernels(arch):
-    check_parity(make_more_model(arch, **VALUE_HEADS[arch]), attention_backend="triton")
+def test_value_heads_of_another_size_are_token_exact_through_the_triton_kernels():
+    # DeepSeek-V3's MLA: query/key heads of 24, value heads of 16 here. The Triton kernels size them apart
+    # (tests/test_kernels.py); on the CPU they run interpreted (~10 s; MiMo-V2-Flash's 16 / 128 runs on the GPU below)
+    check_parity(make_more_model("deepseek_v3"), attention_backend="triton")
 
 
 # In float32, transformers' MoE experts take a fallback that copies host data (no grouped_mm for float32 under

@@ -197,8 +197,9 @@ def _without_sinks(model, sinks, prompts, **kwargs):
                 p.copy_(value)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("arch", ["gpt_oss", "granite_swa"])
+# Granite-SWA's eager attention writes the sink as a sigmoid of the log-sum-exp; the Triton backend (interpreted on
+# the CPU: ~10 s a model) runs once, for GPT-OSS
+@pytest.mark.parametrize("arch,backend", [("gpt_oss", "torch"), ("gpt_oss", "triton"), ("granite_swa", "torch")])
 def test_sink_models_are_exact_under_swap_three_callers_and_prefix_hits(arch, backend):
     from models import generate_in_threads, random_prompts, reference_generate
 
