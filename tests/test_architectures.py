@@ -39,6 +39,7 @@ def test_value_heads_of_another_size_are_token_exact_through_the_triton_kernels(
     prompts = random_prompts(LENGTHS, seed=3)
     settings = dict(max_new_tokens=8, do_sample=False)
     expected = reference_generate(model, prompts, **settings)
+    assert sum(len(set(e)) > 3 for e in expected) >= len(expected) // 2  # the continuations vary
     hfpaged.patch(model, **POOL, preemption_mode="swap", swap_space=0.01, attention_backend="triton")
     assert [r.token_ids for r in model.generate_many(prompts, **settings)] == expected
     assert hfpaged.stats(model)["num_swapped_out"] > 0
