@@ -339,6 +339,8 @@ class PromptMaker:
                 f"max_num_seqs is {state.config.max_num_seqs}"
             )
         request = Request(request_id if request_id is not None else self.new_id(), token_ids, params, index=index)
+        if state.long_rope is not None:
+            request.cache_salt = state.long_rope.cache_salt(len(token_ids))
         if params.num_beams > 1:
             RequestGroup(
                 request,

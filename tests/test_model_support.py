@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 import transformers
-from models import LONGROPE, TINY_TEXT, generate_in_threads
+from models import TINY_TEXT, generate_in_threads
 from transformers import AutoModelForCausalLM
 
 import hfpaged
@@ -172,12 +172,6 @@ def test_an_attention_call_is_checked_for_extra_inputs_non_causal_modules_and_ma
 
 
 LIMITED = {
-    # frequencies switch to long_factor once a forward's longest sequence passes original_max_position_embeddings
-    "longrope": (
-        "LlamaConfig",
-        dict(rope_parameters=LONGROPE, max_position_embeddings=64),
-        "'longrope' RoPE keeps one set of frequencies",
-    ),
     # NTK-rescaled frequencies once a forward's longest sequence passes max_position_embeddings
     "dynamic": (
         "LlamaConfig",

@@ -4,9 +4,10 @@ from transformers import GenerationConfig
 
 from hfpaged.core.config import EngineConfig
 from hfpaged.core.kv_manager import KVManager
-from hfpaged.core.request import Request, RequestStatus
+from hfpaged.core.request import LONG_ROPE_SALT, Request, RequestStatus
 from hfpaged.core.runner_output import ModelRunnerOutput
 from hfpaged.core.scheduler import Scheduler
+from hfpaged.core.scheduler_output import SchedulerOutput
 from hfpaged.sampling.params import RequestParams
 
 
@@ -215,3 +216,41 @@ def test_length_stop_and_eos_take_precedence_in_order():
     update(s, out, {"a": 9, "b": 4})
     assert (a.finish_reason, b.finish_reason) == ("stop", "length")
     assert s.kv.pool.all_free()
+
+
+def test_a_request_growing_past_restart_past_is_computed_again_from_its_first_token_with_the_salt():
+    # a longrope model whose generate recomputes a sequence long past L tokens (Phi-3, model/long_rope.py)
+    s = make(budget=10)
+    s.restart_past = 4
+    a, b = request("a", 3), request("b", 2)
+    s.add(a)
+    s.add(b)
+    assert plan(step(s)) == [("a", 0, 3, True), ("b", 0, 2, True)]
+    assert plan(step(s)) == [("a", 3, 1, True), ("b", 2, 1, True)]  # a: 5 tokens now, its keys short
+    out = step(s)  # a goes back to waiting (nothing joins in a step that preempts); b decodes on
+    assert out.preempted_ids == ["a"] and plan(out) == [("b", 3, 1, True)]
+    assert a.cache_salt == LONG_ROPE_SALT and a.num_computed_tokens == 0 and b.cache_salt is None
+    out = step(s)  # b has grown past 4 now: waiting too
+    assert out.preempted_ids == ["b"] and plan(out) == [] and b.cache_salt == LONG_ROPE_SALT
+    assert plan(step(s)) == [("b", 0, 5, True), ("a", 0, 5, True)]  # both back at the front of waiting
+    assert plan(step(s)) == [("b", 5, 1, True), ("a", 5, 1, True)]
+    assert s.counters["num_preemptions"] == 0 and a.num_preemptions == 0  # restarts are not preemptions
+
+
+def test_a_waiting_or_swapped_request_past_restart_past_is_salted_and_computed_from_its_first_token():
+    config = EngineConfig(block_size=4, num_blocks=32, max_num_batched_tokens=10, preemption_mode="swap")
+    s = Scheduler(config, KVManager(32, 4, num_cpu_blocks=8))
+    a, b = request("a", 5), request("b", 6)
+    s.add(a)
+    s.add(b)
+    step(s)
+    s._preempt_one(a, SchedulerOutput(), allow_swap=True)  # swapped out with its (short) keys
+    s._preempt_one(b, SchedulerOutput(), allow_swap=False)  # waiting, recompute
+    assert a.status is RequestStatus.SWAPPED and b.status is RequestStatus.WAITING
+    hashes = s.kv._hashes.get("b")
+    s.restart_past = 4
+    out = step(s)
+    assert a.status is RequestStatus.RUNNING and a.cache_salt == LONG_ROPE_SALT == b.cache_salt
+    assert not out.swap_in and plan(out) == [("a", 0, 6, True), ("b", 0, 4, False)]
+    assert hashes is None or s.kv._hashes.get("b") != hashes
+    assert s.kv.cpu_pool.all_free()

@@ -903,14 +903,19 @@ def test_create_app_serves_in_one_process(model, tokenizer):
 
 
 def test_the_servers_context_length_is_a_models_length_limit():
-    # a longrope model is exact only up to original_max_position_embeddings (tests/test_model_support.py)
+    # a dynamic-RoPE model is exact only up to max_position_embeddings (tests/test_model_support.py); a longrope
+    # one past its original length too (tests/test_long_rope.py)
     from models import LONGROPE
 
     from hfpaged.serve.engine_loop import model_limits
 
-    model = make_model("llama", rope_parameters=LONGROPE, max_position_embeddings=64)
+    dynamic = dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)
+    model = make_model("llama", rope_parameters=dynamic, max_position_embeddings=16)
     hfpaged.patch(model, num_blocks=32)
     assert model_limits(model).max_model_len == 16
+    model = make_model("llama", rope_parameters=LONGROPE, max_position_embeddings=64)
+    hfpaged.patch(model, num_blocks=32)
+    assert model_limits(model).max_model_len == 64
     plain = make_model("llama")
     hfpaged.patch(plain, num_blocks=32)
     assert model_limits(plain).max_model_len == plain.config.max_position_embeddings

@@ -82,7 +82,7 @@ class KVManager:
         if self.prefix_cache is None:
             return []
         hashes = self._hashes.setdefault(request.request_id, [])
-        return self.prefix_cache.find_hits(request.all_token_ids, hashes, request.num_tokens)
+        return self.prefix_cache.find_hits(request.all_token_ids, hashes, request.num_tokens, request.cache_salt)
 
     def allocate(
         self, request: Request, num_tokens: int, keep_free: int = 0, prefix_hits: list[int] | None = None
@@ -198,7 +198,7 @@ class KVManager:
         if full <= start:
             return
         hashes = self._hashes.setdefault(rid, [])
-        self.prefix_cache.register(request.all_token_ids, hashes, blocks, start, full)
+        self.prefix_cache.register(request.all_token_ids, hashes, blocks, start, full, request.cache_salt)
         self._num_registered[rid] = full
 
     def reset_prefix_cache(self) -> None:

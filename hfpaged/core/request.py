@@ -11,6 +11,10 @@ if TYPE_CHECKING:
     from ..sampling.params import RequestParams
 
 
+# the prefix-cache salt of a request whose keys a longrope model rotates long at every position (model/long_rope.py)
+LONG_ROPE_SALT = "longrope:long"
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -40,6 +44,7 @@ class RequestGroup:
         member.sequence_index = sequence_index
         member.arrival_time = root.arrival_time
         member.stream_outputs = root.stream_outputs
+        member.cache_salt = root.cache_salt
         self.members.append(member)
         return member
 
@@ -87,6 +92,8 @@ class Request:
         # whether each step's new tokens are handed to the caller; False (generate_many without a streamer or
         # progress bar): only the finished request's output, with all its tokens
         self.stream_outputs = True
+        # prefix-cache blocks are shared only between requests of the same salt (None: the unsalted chain)
+        self.cache_salt: str | None = None
 
     @property
     def num_tokens(self) -> int:

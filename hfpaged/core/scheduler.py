@@ -21,23 +21,20 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING
 
-from ..outputs import RequestOutput, final_output, progress_output, sequence_output
+from ..outputs import RequestOutput, final_output, progress_output
 from ..sampling.stopping import check_stops
 from .config import EngineConfig
 from .kv_manager import KVManager
-from .request import Request, RequestStatus
-from .runner_output import BeamRound, ModelRunnerOutput, SampledToken
+from .request import LONG_ROPE_SALT, Request, RequestStatus
+from .runner_output import ModelRunnerOutput
 from .scheduler_output import CachedRequestData, NewRequestData, ScheduledRequest, SchedulerOutput
-
-if TYPE_CHECKING:
-    from ..sampling.params import RequestParams
+from .sequence_groups import SequenceGroups
 
 COUNTER_NAMES = ("num_preemptions", "num_swapped_out", "prefix_cache_queries", "prefix_cache_hits")
 
 
-class Scheduler:
+class Scheduler(SequenceGroups):
     """Waiting, running and swapped queues over one KV manager."""
 
     def __init__(self, config: EngineConfig, kv: KVManager):
@@ -53,6 +50,9 @@ class Scheduler:
         self.watermark_blocks = int(config.watermark * kv.num_blocks)
         self._runner_has: set[str] = set()  # requests whose state the runner holds
         self._dropped: list[str] = []  # requests the runner should forget at the next step
+        # a longrope model whose generate recomputes a sequence long once it grows past this many tokens (Phi-3;
+        # hfpaged/model/long_rope.py): such a request is computed again from its first token there, with the salt
+        self.restart_past: int | None = None
 
     # --- queues -----------------------------------------------------------------------------------
 
@@ -129,22 +129,24 @@ class Scheduler:
 
     # --- preemption -------------------------------------------------------------------------------
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> list[Request]:
-        """Preempt ``request``, or every beam of its group with it; returns the requests preempted."""
+    def _preempt(self, request: Request, out: SchedulerOutput, restart: bool = False) -> list[Request]:
+        """Preempt ``request``, or every beam of its group with it; returns the requests preempted. ``restart``:
+        by recompute, not counted (``_restart_long``)."""
         if request.beam_search is None:
-            self._preempt_one(request, out, allow_swap=True)
+            self._preempt_one(request, out, allow_swap=not restart, count=not restart)
             return [request]
         members = [m for m in request.group.members if m.status is RequestStatus.RUNNING]
         for member in reversed(members):  # back to the front of waiting together, in beam order
-            self._preempt_one(member, out, allow_swap=False)
+            self._preempt_one(member, out, allow_swap=False, count=not restart)
         return members
 
-    def _preempt_one(self, request: Request, out: SchedulerOutput, allow_swap: bool) -> None:
+    def _preempt_one(self, request: Request, out: SchedulerOutput, allow_swap: bool, count: bool = True) -> None:
         self.running.remove(request)
         out.preempted_ids.append(request.request_id)
         self._forget(request)
-        request.num_preemptions += 1
-        self.counters["num_preemptions"] += 1
+        if count:
+            request.num_preemptions += 1
+            self.counters["num_preemptions"] += 1
         if allow_swap and self.config.preemption_mode == "swap":
             copy = self.kv.swap_out(request)
             if copy is not None:
@@ -158,6 +160,27 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
+    def _restart_long(self, out: SchedulerOutput) -> None:
+        """Requests that grew past ``restart_past`` tokens with short keys are computed again from their first
+        token, salted (what the model's generate does there): running ones (with their beam group) and swapped
+        ones go back to waiting; a waiting one (a token of a step in flight landed after it was preempted) is
+        salted where it is. Their hashes, chained without the salt, are dropped."""
+        past = self.restart_past
+        for request in [r for r in self.requests.values() if r.cache_salt is None and r.num_tokens > past]:
+            if request.cache_salt is not None:
+                continue  # restarted with its beam group
+            members = [request]
+            if request.status is RequestStatus.RUNNING:
+                members = self._preempt(request, out, restart=True)
+            elif request.status is RequestStatus.SWAPPED:
+                self.swapped.remove(request)
+                request.num_computed_tokens = 0
+                request.status = RequestStatus.WAITING
+                self.waiting.appendleft(request)
+            for member in members:
+                self.kv.free(member)
+                member.cache_salt = LONG_ROPE_SALT
+
     # --- admission --------------------------------------------------------------------------------
 
     def _admit(self, request: Request, budget: int, keep_free: int) -> int:
@@ -170,23 +193,6 @@ class Scheduler:
             return 0
         request.num_computed_tokens = num_cached
         return num_new
-
-    def _admit_beams(self, members: list[Request], budget: int, scheduled: dict[str, ScheduledRequest]) -> int | None:
-        """Admit all the beams of a re-queued group, or none; returns the token budget left (None: none).
-
-        All their blocks must fit above the watermark; beams past the token budget join without tokens
-        this step and are prefilled in the next ones.
-        """
-        if len(self.running) + len(members) > self.config.max_num_seqs:
-            return None
-        keep_free = self.watermark_blocks if self.running else 0
-        if self.kv.num_free_blocks - sum(self.kv.blocks_for(m.num_tokens) for m in members) < keep_free:
-            return None
-        for member in members:
-            num_new = self._admit(member, budget, 0) if budget > 0 else 0
-            self.waiting.remove(member)
-            budget -= self._run(member, num_new, scheduled)
-        return budget
 
     def _run(self, request: Request, num_tokens: int, scheduled: dict[str, ScheduledRequest]) -> int:
         """``request`` joins the running ones, with ``num_tokens`` to compute this step (if any); returns them."""
@@ -204,6 +210,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         max_num_seqs = self.config.max_num_seqs
         scheduled: dict[str, ScheduledRequest] = {}
+        if self.restart_past is not None:
+            self._restart_long(out)
 
         # A request whose placeholder token (sampled by the step still in flight) ends it by length is not
         # planned again: it finishes when that token is read back.
@@ -342,61 +350,6 @@ class Scheduler:
             for request in advanced
             if request.stream_outputs or request.is_finished
         ]
-
-    def _fork(self, parent: Request, index: int, params: RequestParams, sampled: SampledToken) -> Request:
-        """Parallel sampling: sequence ``index`` of the parent's prompt forks off it with its own first token."""
-        child = parent.group.add_member(f"{parent.request_id}.{index}", params, index)
-        self._start_fork(child, parent)
-        child.append_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
-        return child
-
-    def _start_fork(self, child: Request, parent: Request) -> None:
-        """``child`` shares ``parent``'s blocks and progress, and runs."""
-        self.kv.fork(child, parent)
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.status = RequestStatus.RUNNING
-        self.running.append(child)
-        self.requests[child.request_id] = child
-
-    def _advance_beams(self, beam_round: BeamRound) -> list[RequestOutput]:
-        """A group's selection: beam j continues beam ``parents[j]`` (its tokens and blocks) plus ``tokens[j]``.
-        When the search has ended, its returned sequences are the outputs."""
-        root = self.requests.get(beam_round.root_id)
-        if root is None:
-            return []
-        group = root.group
-        search = group.beam_search
-        if beam_round.error is not None:  # its processors or criteria raised: the search ends with that error
-            for member in [m for m in group.members if not m.is_finished]:
-                self.finish(member, beam_round.error)
-            return [progress_output(root, 0)]
-        if root.first_token_time is None:
-            root.first_token_time = time.perf_counter()
-        root.num_forks_pending = 0
-        if not beam_round.unfinished:
-            for member in list(group.members):
-                if not member.is_finished:
-                    self.finish(member, "stop")
-            return [
-                sequence_output(root, seq.token_ids, finish_reason=seq.finish_reason, sequence_index=i)
-                for i, seq in enumerate(search.returned_sequences())
-            ]
-        if len(group.members) == 1:  # first round: every row was the prompt's; the other beams fork off it
-            for slot in range(1, group.num_sequences):
-                self._start_fork(group.add_member(f"{root.request_id}.beam{slot}", root.params, slot), root)
-            sources = [root] * group.num_sequences
-        else:
-            sources = [group.members[p] for p in beam_round.parents]
-        taken = [
-            (source.all_token_ids + [token], source.num_computed_tokens)
-            for source, token in zip(sources, beam_round.tokens)
-        ]
-        self.kv.share(group.members, sources)
-        for member, (token_ids, num_computed) in zip(group.members, taken):
-            member.all_token_ids = token_ids
-            member.num_computed_tokens = num_computed
-            self._forget(member)  # its tokens and table are another beam's now: the runner rebuilds its state
-        return []
 
 
 def _scheduled(request: Request, num_new: int, num_tokens: int) -> ScheduledRequest:

@@ -39,6 +39,7 @@ class NewRequestData:
     sequence_index: int = 0  # its place among its prompt's sequences (beam slot, sample index)
     num_forks: int = 0  # parallel sampling: the other sequences it forks into at its first sample
     beam_search: Any = None  # sampling.beam_search.BeamSearch of its group, for beam members
+    cache_salt: str | None = None  # Request.cache_salt (a longrope model's runner reads it: long at every position)
 
     @classmethod
     def of(cls, request: Request, block_ids: list[int]) -> NewRequestData:
@@ -52,6 +53,7 @@ class NewRequestData:
             request.sequence_index,
             request.num_forks_pending,
             request.beam_search,
+            request.cache_salt,
         )
 
 

@@ -36,6 +36,7 @@ from .kv_cache import (
     window_length_limit,
 )
 from .kv_quant import cache_dtype, check_fp8_device, initial_scales
+from .long_rope import LongRope, find_long_rope
 from .peft_compat import adapter_layers, adapter_state, inner_model
 from .swap_space import SwapSpace, swap_blocks
 from .tensor_parallel import TensorParallel, find_tensor_parallel
@@ -122,6 +123,7 @@ class PatchState:
     fused_projections: FusedProjections | None = None  # q/k/v and gate/up weights moved into one buffer each
     tp: TensorParallel | None = None  # the tensor-parallel group transformers sharded the model over
     local_tp: LocalProjections | None = None  # a sharded model's projections on local shards in the paged step
+    long_rope: LongRope | None = None  # longrope rotary modules served past their short length (long_rope.py)
 
     def block_bytes(self) -> dict[torch.device, int]:
         """Bytes one block takes on each device."""
@@ -232,6 +234,8 @@ def _attach(
     attn_configs = collect_configs(model)
     lock = threading.RLock()
     layers = discover_layers(model, attn_configs, input_device, lock)
+    long_rope = find_long_rope(model, input_device, lock)
+    rope_limit = hf_compat.rope_length_limit(model, served=("longrope",) if long_rope is not None else ())
     model_len = max_model_len(model)
     kv_dtype = cache_dtype(config.kv_cache_dtype)
     if kv_dtype is not None:
@@ -270,14 +274,12 @@ def _attach(
         tokenizer=tokenizer,
         vocab_size=model.get_input_embeddings().weight.shape[0],
         max_model_len=model_len,
-        length_limit=min(
-            (limit for limit in (hf_compat.rope_length_limit(model), window_length_limit(model, layers)) if limit),
-            default=None,
-        ),
+        length_limit=min((limit for limit in (rope_limit, window_length_limit(model, layers)) if limit), default=None),
         kv_cache_dtype=kv_dtype,
         fused_projections=fused,
         tp=tp,
         local_tp=projections,
+        long_rope=long_rope,
     )
     if config.gemv or (config.gemv is None and state.dependent_launch):
         fused.enable_gemv(model, launch_pdl=state.dependent_launch)

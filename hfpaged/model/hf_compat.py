@@ -11,13 +11,17 @@ Checked against transformers 5.17 and 5.23. What we use, and why:
 - ``PretrainedConfig._attn_implementation_internal``: switched to hfpaged's attention during a paged forward
   and back, without the public setter's recursion into sub-configs (we switch each config ourselves);
 - a rotary module's ``rope_type`` / ``original_max_seq_len`` and its config's ``rope_parameters``: the length
-  up to which a ``dynamic`` or ``longrope`` RoPE keeps its short-sequence frequencies.
+  up to which a ``dynamic`` or ``longrope`` RoPE keeps its short-sequence frequencies;
+- ``modeling_rope_utils.dynamic_rope_update`` / ``ROPE_INIT_FUNCTIONS`` and a longrope module's
+  ``original_inv_freq`` / ``attention_scaling``: its forward without the per-forward frequency switch, and the two
+  frequency sets that switch picks from (``long_rope.py`` picks them per token instead).
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -146,7 +150,7 @@ def module_eager_attention(module: torch.nn.Module) -> Callable | None:
 # --- rotary embeddings whose frequencies follow the length of the forward --------------------------------
 
 
-def rope_length_limit(model: torch.nn.Module) -> tuple[int, str] | None:
+def rope_length_limit(model: torch.nn.Module, served: tuple[str, ...] = ()) -> tuple[int, str] | None:
     """The longest sequence a packed paged step can serve exactly with the model's RoPE, and why.
 
     transformers' ``dynamic`` and ``longrope`` rotary embeddings (``@dynamic_rope_update``) choose their
@@ -154,13 +158,15 @@ def rope_length_limit(model: torch.nn.Module) -> tuple[int, str] | None:
     a paged step packs many (the largest position may be another sequence's) and splits prompts into chunks,
     so the two agree only while every sequence stays where the frequencies are the short-sequence ones:
     ``original_max_position_embeddings`` for longrope, ``max_position_embeddings`` for dynamic. None: no such
-    rotary embedding.
+    rotary embedding. RoPE types in ``served`` are left out (``long_rope.py`` serves longrope past the limit).
     """
     limits: dict[str, int] = {}
     for module in model.modules():
         rope_type = getattr(module, "rope_type", None)
         per_layer_type = rope_type if isinstance(rope_type, dict) else {None: rope_type}
         for layer_type, kind in per_layer_type.items():
+            if kind in served:
+                continue
             if isinstance(kind, str) and "dynamic" in kind:
                 limit = int(module.original_max_seq_len)
             elif kind == "longrope":
@@ -176,3 +182,89 @@ def rope_length_limit(model: torch.nn.Module) -> tuple[int, str] | None:
         f"up to which the model's {kinds} RoPE keeps one set of frequencies (it picks them per forward from the "
         "longest sequence in it, which a packed step shares between sequences)"
     )
+
+
+@dataclass
+class LongRopeParts:
+    """What transformers' ``longrope`` rotary forward picks between, once per forward."""
+
+    original: int  # original_max_position_embeddings: a forward whose largest position is >= it goes long
+    forward: Callable  # the module's forward without ``@dynamic_rope_update`` (reads self.inv_freq, attention_scaling)
+    long_inv_freq: torch.Tensor  # the long set, computed as the decorator computes it
+
+    def rotate(self, module: torch.nn.Module, long: bool, x: torch.Tensor, position_ids: torch.Tensor, *args, **kw):
+        """The module's (cos, sin) with one of its two frequency sets, by its own undecorated forward (the module
+        itself is left as it is: its forward reads the set from a stand-in)."""
+        import types
+
+        inv_freq = self.long_inv_freq if long else module.original_inv_freq
+        view = types.SimpleNamespace(
+            inv_freq=inv_freq, attention_scaling=module.attention_scaling, config=module.config
+        )
+        return self.forward(view, x, position_ids, *args, **kw)
+
+
+def _undecorated(forward: Callable) -> Callable | None:
+    """The function ``@dynamic_rope_update`` wraps in ``forward`` (through other ``functools.wraps`` layers)."""
+    from transformers.modeling_rope_utils import dynamic_rope_update
+
+    wrapper_code = dynamic_rope_update(lambda self, x, position_ids: None).__code__
+    while forward is not None:
+        inner = getattr(forward, "__wrapped__", None)
+        if getattr(forward, "__code__", None) is wrapper_code:
+            return inner
+        forward = inner
+    return None
+
+
+def longrope_parts(module: torch.nn.Module) -> LongRopeParts | None:
+    """The parts of a ``longrope`` rotary module (one rope type for all its layers), or None where the module is
+    not laid out as transformers 5.17-5.24 lay it out."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if getattr(module, "rope_type", None) != "longrope":
+        return None
+    forward = _undecorated(type(module).forward)
+    short = getattr(module, "original_inv_freq", None)
+    params = getattr(getattr(module, "config", None), "rope_parameters", None)
+    if forward is None or not isinstance(short, torch.Tensor) or not isinstance(params, dict):
+        return None
+    original = params.get("original_max_position_embeddings")
+    if not isinstance(original, int) or not hasattr(module, "attention_scaling"):
+        return None
+    # as the decorator computes it for a forward past the original length (on the device the forward runs on)
+    long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](module.config, short.device, seq_len=original + 1)
+    return LongRopeParts(original, forward, long_inv_freq.to(short.device))
+
+
+class _CacheOfLength:
+    """What ``prepare_inputs_for_generation`` reads of a cache to decide whether to keep it: its length."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+
+def generate_recomputes_past(model: Any, original: int) -> bool | None:
+    """Whether ``generate`` drops the cache of a sequence that grows past ``original`` tokens and recomputes it
+    (Phi-3's ``prepare_inputs_for_generation``: every position then has the long frequencies); None: no clear
+    answer (the preparation fails outside ``generate``, or it also drops a cache short of ``original``)."""
+    import warnings
+
+    def keeps(num_tokens: int, cached: int) -> bool:
+        input_ids = torch.zeros(1, num_tokens, dtype=torch.long)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a deprecated cache kwarg's name
+            prepared = model.prepare_inputs_for_generation(
+                input_ids, past_key_values=_CacheOfLength(cached), use_cache=True
+            )
+        return any(isinstance(prepared.get(key), _CacheOfLength) for key in ("past_key_values", "cache"))
+
+    try:
+        if not keeps(original, original - 1):
+            return None
+        return not keeps(original + 1, original)
+    except Exception:
+        return None

@@ -27,6 +27,7 @@ from ..core.scheduler_output import ScheduledRequest, SchedulerOutput
 from ..sampling.request_state import CachedRequestState
 from ..sampling.sampler import StepResult
 from .attention import AttentionMetadata
+from .long_rope import long_positions
 
 ALIGN = 16  # elements: every region starts 64-byte aligned, so Triton's pointer-alignment
 # specialization sees the same alignment every step (no recompiles as the layout shifts)
@@ -84,8 +85,9 @@ class HostStep:
 class InputBatch:
     """Request states and block-table rows the runner keeps between steps."""
 
-    def __init__(self, block_size: int, width: int = ALIGN):
+    def __init__(self, block_size: int, width: int = ALIGN, long_from: int | None = None):
         self.block_size = block_size
+        self.long_from = long_from  # longrope: positions of tokens rotated long carry LONG_POSITION (long_rope.py)
         self.width = width  # block-table columns (grown when a request needs more)
         self.states: dict[str, CachedRequestState] = {}
         self.block_table = np.zeros((0, width), dtype=np.int32)
@@ -138,6 +140,7 @@ class InputBatch:
                 num_forks=new.num_forks,
                 beam_search=new.beam_search,
             )
+            state.cache_salt = new.cache_salt
             state.row = self._take_row()
             self._set_blocks(state.row, 0, new.block_ids)
             self.states[new.request_id] = state
@@ -226,7 +229,11 @@ class InputBatch:
         seq_of_token = np.repeat(np.arange(num_real), q_lens)
         pos = np.arange(int(cu_real[-1])) - cu_real[seq_of_token] + starts[seq_of_token]
         bs = self.block_size
-        positions[: len(pos)] = pos
+        if self.long_from is None:
+            positions[: len(pos)] = pos
+        else:
+            salted = np.array([state.cache_salt is not None for state in states])
+            positions[: len(pos)] = long_positions(pos, salted[seq_of_token], self.long_from)
         slot_mapping[: len(pos)] = block_tables[seq_of_token, pos // bs] * bs + pos % bs
         seq_lens[:num_real] = seq_lens_real
         cu_seqlens_q[: num_real + 1] = cu_real

@@ -31,6 +31,7 @@ from .fused_projections import fused_step
 from .gc_heap import HeapFreeze
 from .input_batch import DeviceStep, HostStep, InputBatch, device_views, padded_width, region_slices
 from .kv_quant import as_bytes, calibration_step
+from .long_rope import long_rope_step
 from .tp_local import local_step
 
 if TYPE_CHECKING:
@@ -60,7 +61,8 @@ class ModelRunner:
         )
         max_len = state.max_model_len or state.num_blocks * self.block_size
         self.graph_width = padded_width(min(cdiv(max_len, self.block_size), state.num_blocks))
-        self.batch = InputBatch(self.block_size, self.graph_width)
+        long_from = state.long_rope.original if state.long_rope is not None else None
+        self.batch = InputBatch(self.block_size, self.graph_width, long_from)
         self.sampler = Sampler()
         self.previous: StepResult | None = None  # the last step launched
         self.graphs: StepGraphs | None = None  # decode-only steps, by batch bucket
@@ -188,13 +190,14 @@ class ModelRunner:
     @contextmanager
     def _model_step(self) -> Iterator[None]:
         """What every paged forward of the model runs inside: paged attention on, eval mode, and for the step's
-        duration the local-shard (tensor parallel) and fused projection forwards."""
+        duration the local-shard (tensor parallel), fused projection and per-token longrope forwards."""
         state = self.state
         with (
             paged_forward(state.attn_configs, state.forward_lock),
             eval_mode(self.model),
             local_step(state.local_tp),
             fused_step(state.fused_projections),
+            long_rope_step(state.long_rope),
         ):
             yield
 

@@ -34,6 +34,7 @@ class CachedRequestState:
         self.sequence_index = sequence_index
         self.num_forks = num_forks  # parallel sampling: sequences it forks into at its first sample
         self.beam_search = beam_search
+        self.cache_salt: str | None = None  # the request's prefix-cache salt (longrope: long at every position)
         self.row = -1  # its row in the runner's block table
         self.is_finished = False  # dropped by the runner (finished, preempted or replaced)
 

@@ -1,0 +1,91 @@
+"""The scheduler's part for prompts of several sequences: parallel samples fork off their first request at its
+first sample, and the k beams of a beam search are admitted together and moved on round by round."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from ..outputs import RequestOutput, progress_output, sequence_output
+from .request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from ..sampling.params import RequestParams
+    from .runner_output import BeamRound, SampledToken
+    from .scheduler_output import ScheduledRequest
+
+
+class SequenceGroups:
+    """Mixin of ``Scheduler`` (its queues, KV manager and helpers)."""
+
+    def _admit_beams(self, members: list[Request], budget: int, scheduled: dict[str, ScheduledRequest]) -> int | None:
+        """Admit all the beams of a re-queued group, or none; returns the token budget left (None: none).
+
+        All their blocks must fit above the watermark; beams past the token budget join without tokens
+        this step and are prefilled in the next ones.
+        """
+        if len(self.running) + len(members) > self.config.max_num_seqs:
+            return None
+        keep_free = self.watermark_blocks if self.running else 0
+        if self.kv.num_free_blocks - sum(self.kv.blocks_for(m.num_tokens) for m in members) < keep_free:
+            return None
+        for member in members:
+            num_new = self._admit(member, budget, 0) if budget > 0 else 0
+            self.waiting.remove(member)
+            budget -= self._run(member, num_new, scheduled)
+        return budget
+
+    def _fork(self, parent: Request, index: int, params: RequestParams, sampled: SampledToken) -> Request:
+        """Parallel sampling: sequence ``index`` of the parent's prompt forks off it with its own first token."""
+        child = parent.group.add_member(f"{parent.request_id}.{index}", params, index)
+        self._start_fork(child, parent)
+        child.append_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
+        return child
+
+    def _start_fork(self, child: Request, parent: Request) -> None:
+        """``child`` shares ``parent``'s blocks and progress, and runs."""
+        self.kv.fork(child, parent)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+        self.requests[child.request_id] = child
+
+    def _advance_beams(self, beam_round: BeamRound) -> list[RequestOutput]:
+        """A group's selection: beam j continues beam ``parents[j]`` (its tokens and blocks) plus ``tokens[j]``.
+        When the search has ended, its returned sequences are the outputs."""
+        root = self.requests.get(beam_round.root_id)
+        if root is None:
+            return []
+        group = root.group
+        search = group.beam_search
+        if beam_round.error is not None:  # its processors or criteria raised: the search ends with that error
+            for member in [m for m in group.members if not m.is_finished]:
+                self.finish(member, beam_round.error)
+            return [progress_output(root, 0)]
+        if root.first_token_time is None:
+            root.first_token_time = time.perf_counter()
+        root.num_forks_pending = 0
+        if not beam_round.unfinished:
+            for member in list(group.members):
+                if not member.is_finished:
+                    self.finish(member, "stop")
+            return [
+                sequence_output(root, seq.token_ids, finish_reason=seq.finish_reason, sequence_index=i)
+                for i, seq in enumerate(search.returned_sequences())
+            ]
+        if len(group.members) == 1:  # first round: every row was the prompt's; the other beams fork off it
+            for slot in range(1, group.num_sequences):
+                self._start_fork(group.add_member(f"{root.request_id}.beam{slot}", root.params, slot), root)
+            sources = [root] * group.num_sequences
+        else:
+            sources = [group.members[p] for p in beam_round.parents]
+        taken = [
+            (source.all_token_ids + [token], source.num_computed_tokens)
+            for source, token in zip(sources, beam_round.tokens)
+        ]
+        self.kv.share(group.members, sources)
+        for member, (token_ids, num_computed) in zip(group.members, taken):
+            member.all_token_ids = token_ids
+            member.num_computed_tokens = num_computed
+            self._forget(member)  # its tokens and table are another beam's now: the runner rebuilds its state
+        return []

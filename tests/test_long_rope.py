@@ -1,0 +1,137 @@
+"""LongRoPE past its short length (hfpaged/model/long_rope.py): greedy tokens equal stock ``generate`` for prompts on
+both sides of ``original_max_position_embeddings`` (L) and generation across it, in both of transformers' ways: Llama
+rotates tokens past L long and keeps its short keys, Phi-3 recomputes the whole sequence long once it grows past L."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from models import LONGROPE, generate_in_threads, make_model, random_prompts, reference_generate
+
+import hfpaged
+from hfpaged.model.long_rope import LONG_POSITION, long_positions
+
+L = LONGROPE["original_max_position_embeddings"]  # 16
+# short prompts that cross L while decoding (one ends exactly at L, one starts decoding at L), long prompts
+LENGTHS = [5, 10, 15, 16, 17, 26]
+SETTINGS = dict(max_new_tokens=14, do_sample=False, eos_token_id=None)
+MODELS = {"llama": {}, "phi3": dict(original_max_position_embeddings=L)}  # Phi3Config keeps L at the top level
+
+
+def longrope_model(arch: str, seed: int = 0):
+    return make_model(arch, seed, rope_parameters=dict(LONGROPE), max_position_embeddings=64, **MODELS[arch])
+
+
+def expected_tokens(model, prompts):
+    expected = reference_generate(model, prompts, **SETTINGS)
+    assert sum(len(set(e)) > 3 for e in expected) >= len(expected) // 2  # the continuations vary
+    return expected
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_longrope_models_are_exact_across_the_original_length(arch, backend):
+    model = longrope_model(arch)
+    prompts = random_prompts(LENGTHS, seed=1)
+    expected = expected_tokens(model, prompts)
+    # chunked prompts (8 tokens a step), packed steps of short and long sequences, recompute preemption
+    hfpaged.patch(model, num_blocks=24, block_size=4, max_num_batched_tokens=8, attention_backend=backend)
+    state = model._hfpaged
+    assert state.length_limit is None and state.long_rope.original == L
+    assert state.long_rope.restarts == (arch == "phi3")
+    assert [r.token_ids for r in model.generate_many(prompts, **SETTINGS)] == expected
+    stats = hfpaged.stats(model)
+    assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_longrope_under_swap_callers_prefix_hits_and_changed_weights(arch):
+    model = longrope_model(arch)
+    prompts = random_prompts(LENGTHS, seed=2)
+    expected = expected_tokens(model, prompts)
+    hfpaged.patch(model, num_blocks=14, block_size=4, preemption_mode="swap", swap_space=0.01)
+    assert [r.token_ids for r in model.generate_many(prompts, **SETTINGS)] == expected
+    assert hfpaged.stats(model)["num_swapped_out"] > 0
+    assert generate_in_threads(model, prompts, **SETTINGS) == [expected[i::3] for i in range(3)]
+    with torch.no_grad():
+        model.model.layers[0].self_attn.o_proj.weight.mul_(-1.5)
+    changed = reference_generate(model, prompts, **SETTINGS)
+    assert changed != expected
+    assert [r.token_ids for r in model.generate_many(prompts, **SETTINGS)] == changed
+    stats = hfpaged.stats(model)
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_prefix_blocks_are_shared_only_between_requests_rotated_alike(arch):
+    # a short prompt's blocks hold short keys; a long prompt with the same first 12 tokens is long at every
+    # position (and, for Phi-3, so is the short one once it grows past L): hits only where the keys agree
+    model = longrope_model(arch)
+    short, tail = random_prompts([12, 8], seed=3)
+    long = short + tail  # 20 > L
+    settings = dict(SETTINGS, max_new_tokens=3)  # the short prompt stays below L
+    expected = reference_generate(model, [short, long], **settings)
+    hfpaged.patch(model, num_blocks=32, block_size=4)
+    assert [r.token_ids for r in model.generate_many([short], **settings)] == expected[:1]
+    before = hfpaged.stats(model)["prefix_cache_hits"]
+    assert [r.token_ids for r in model.generate_many([long], **settings)] == expected[1:]
+    assert hfpaged.stats(model)["prefix_cache_hits"] == before  # the short keys are not the long prompt's
+    assert [r.token_ids for r in model.generate_many([long], **settings)] == expected[1:]
+    assert hfpaged.stats(model)["prefix_cache_hits"] > before  # the long prompt's own blocks are
+    assert [r.token_ids for r in model.generate_many([short], **settings)] == expected[:1]
+
+
+def test_the_mark_reaching_anything_but_the_rotary_module_keeps_the_length_limit():
+    model = longrope_model("llama")
+    inner = model.model
+    forward = inner.forward
+
+    def with_absolute_positions(input_ids=None, position_ids=None, inputs_embeds=None, **kwargs):
+        # a decoder that also reads position_ids itself: marked positions would change what it computes
+        embeds = inner.embed_tokens(input_ids) + 1e-3 * position_ids[..., None].float()
+        return forward(inputs_embeds=embeds, position_ids=position_ids, **kwargs)
+
+    inner.forward = with_absolute_positions
+    hfpaged.patch(model, num_blocks=16, block_size=4)
+    assert model._hfpaged.long_rope is None and model._hfpaged.length_limit[0] == L
+    with pytest.raises(ValueError, match=f"past the {L} positions"):
+        model.generate_many([[5] * 10], max_new_tokens=10)
+    assert hfpaged.stats(model)["num_free_blocks"] == 16
+
+
+def test_a_generate_that_cannot_be_told_apart_keeps_the_length_limit(monkeypatch):
+    # a preparation that drops the cache even short of L: neither of the two known behaviours
+    model = longrope_model("phi3")
+    prepare = model.prepare_inputs_for_generation
+
+    def always_drops(input_ids, past_key_values=None, **kwargs):
+        return prepare(input_ids, None, **kwargs)
+
+    monkeypatch.setattr(model, "prepare_inputs_for_generation", always_drops)
+    hfpaged.patch(model, num_blocks=16, block_size=4)
+    assert model._hfpaged.long_rope is None and model._hfpaged.length_limit[0] == L
+
+
+def test_tokens_are_marked_long_where_stock_generate_rotates_them_long():
+    positions = np.array([0, 15, 16, 40, 3, 20])
+    salted = np.array([False, False, False, False, True, True])  # the last two: requests long at every position
+    marked = long_positions(positions, salted, L)
+    assert marked.tolist() == [0, 15, 16 + LONG_POSITION, 40 + LONG_POSITION, 3 + LONG_POSITION, 20 + LONG_POSITION]
+    assert marked.astype(np.int32).tolist() == marked.tolist()  # the step's int32 inputs hold marked positions
+    assert LONG_POSITION > 2**20 * 64  # far past any position a pool holds
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_longrope_models_are_exact_on_cuda_with_default_options(arch):
+    model = longrope_model(arch).cuda()
+    prompts = random_prompts(LENGTHS, seed=1)
+    expected = expected_tokens(model, prompts)
+    hfpaged.patch(model, num_blocks=24, block_size=4, max_num_batched_tokens=8)
+    assert [r.token_ids for r in model.generate_many(prompts, **SETTINGS)] == expected
+    runner = model._hfpaged.engine.runner
+    assert model._hfpaged.use_triton and runner.num_graph_steps > 0
+    assert generate_in_threads(model, prompts, **SETTINGS) == [expected[i::3] for i in range(3)]
+    stats = hfpaged.stats(model)
+    assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == stats["num_blocks"]
