@@ -332,6 +332,10 @@ class PromptMaker:
             device=state.input_device,
         )
         self._validate_size(params.max_length, index, params.num_beams)
+        if state.long_rope is not None and (why := state.long_rope.refusal(len(token_ids), params.max_length)):
+            raise ValueError(
+                f"{prompt_name(index)} has {len(token_ids)} tokens and may grow to {params.max_length}: {why}"
+            )
         num_sequences = max(params.num_beams, params.num_return_sequences)
         if num_sequences > state.config.max_num_seqs:
             raise ValueError(

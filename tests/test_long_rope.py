@@ -7,7 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import transformers
 from models import LONGROPE, generate_in_threads, make_model, random_prompts, reference_generate
+from packaging.version import Version
 
 import hfpaged
 from hfpaged.model.long_rope import LONG_POSITION, long_positions
@@ -17,6 +19,9 @@ L = LONGROPE["original_max_position_embeddings"]  # 16
 LENGTHS = [5, 10, 15, 16, 17, 26]
 SETTINGS = dict(max_new_tokens=14, do_sample=False, eos_token_id=None)
 MODELS = {"llama": {}, "phi3": dict(original_max_position_embeddings=L)}  # Phi3Config keeps L at the top level
+# what generate does when a sequence grows past L (hf_compat.longrope_crossing): Phi-3 recomputes it long from
+# transformers 5.20 on; 5.17-5.19 drop the cache but compute only the last token (hfpaged refuses those requests)
+CROSSING = {"llama": "keep", "phi3": "recompute" if Version(transformers.__version__) >= Version("5.20") else "drop"}
 
 
 def longrope_model(arch: str, seed: int = 0):
@@ -29,6 +34,18 @@ def expected_tokens(model, prompts):
     return expected
 
 
+def served(model, prompts, expected):
+    """The prompts (and their expected tokens) a request of SETTINGS may run: all, except where generate computes
+    a short prompt's continuation past L without context (those are refused, naming why, and leave nothing)."""
+    if model._hfpaged.long_rope.crossing != "drop":
+        return prompts, expected
+    with pytest.raises(ValueError, match="computes each new token without context"):
+        model.generate_many(prompts, **SETTINGS)
+    assert hfpaged.stats(model)["num_free_blocks"] == hfpaged.stats(model)["num_blocks"]
+    keep = [i for i, p in enumerate(prompts) if len(p) > L or len(p) + SETTINGS["max_new_tokens"] <= L + 1]
+    return [prompts[i] for i in keep], [expected[i] for i in keep]
+
+
 @pytest.mark.parametrize("arch", list(MODELS))
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_longrope_models_are_exact_across_the_original_length(arch, backend):
@@ -36,10 +53,11 @@ def test_longrope_models_are_exact_across_the_original_length(arch, backend):
     prompts = random_prompts(LENGTHS, seed=1)
     expected = expected_tokens(model, prompts)
     # chunked prompts (8 tokens a step), packed steps of short and long sequences, recompute preemption
-    hfpaged.patch(model, num_blocks=24, block_size=4, max_num_batched_tokens=8, attention_backend=backend)
+    hfpaged.patch(model, num_blocks=12, block_size=4, max_num_batched_tokens=8, attention_backend=backend)
     state = model._hfpaged
     assert state.length_limit is None and state.long_rope.original == L
-    assert state.long_rope.restarts == (arch == "phi3")
+    assert state.long_rope.crossing == CROSSING[arch]
+    prompts, expected = served(model, prompts, expected)
     assert [r.token_ids for r in model.generate_many(prompts, **SETTINGS)] == expected
     stats = hfpaged.stats(model)
     assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == stats["num_blocks"]
@@ -51,6 +69,7 @@ def test_longrope_under_swap_callers_prefix_hits_and_changed_weights(arch):
     prompts = random_prompts(LENGTHS, seed=2)
     expected = expected_tokens(model, prompts)
     hfpaged.patch(model, num_blocks=14, block_size=4, preemption_mode="swap", swap_space=0.01)
+    prompts, expected = served(model, prompts, expected)
     assert [r.token_ids for r in model.generate_many(prompts, **SETTINGS)] == expected
     assert hfpaged.stats(model)["num_swapped_out"] > 0
     assert generate_in_threads(model, prompts, **SETTINGS) == [expected[i::3] for i in range(3)]
@@ -113,6 +132,25 @@ def test_a_generate_that_cannot_be_told_apart_keeps_the_length_limit(monkeypatch
     assert model._hfpaged.long_rope is None and model._hfpaged.length_limit[0] == L
 
 
+def test_where_generate_computes_past_l_without_context_requests_reaching_that_are_refused(monkeypatch):
+    # transformers 5.17-5.19's Phi-3 (the GPU machine's version): checked here on any version
+    from hfpaged.model import hf_compat
+
+    monkeypatch.setattr(hf_compat, "longrope_crossing", lambda model, original: "drop")
+    model = longrope_model("phi3")
+    prompts = random_prompts([5, 15, 17], seed=5)  # 5 + 12 = L + 1 tokens at most: never the dropping forward
+    expected = reference_generate(model, prompts, **dict(SETTINGS, max_new_tokens=12))
+    hfpaged.patch(model, num_blocks=16, block_size=4)
+    assert model._hfpaged.long_rope.crossing == "drop" and model._hfpaged.length_limit is None
+    with pytest.raises(ValueError, match=r"prompt 1 has 15 tokens and may grow to 27: .*without context"):
+        model.generate_many(prompts, **dict(SETTINGS, max_new_tokens=12))
+    assert hfpaged.stats(model)["num_free_blocks"] == 16
+    results = model.generate_many(
+        [dict(prompt=prompts[0], max_new_tokens=12), prompts[2]], **dict(SETTINGS, max_new_tokens=12)
+    )
+    assert [r.token_ids for r in results] == [expected[0], expected[2]]
+
+
 def test_tokens_are_marked_long_where_stock_generate_rotates_them_long():
     positions = np.array([0, 15, 16, 40, 3, 20])
     salted = np.array([False, False, False, False, True, True])  # the last two: requests long at every position
@@ -128,7 +166,9 @@ def test_longrope_models_are_exact_on_cuda_with_default_options(arch):
     model = longrope_model(arch).cuda()
     prompts = random_prompts(LENGTHS, seed=1)
     expected = expected_tokens(model, prompts)
-    hfpaged.patch(model, num_blocks=24, block_size=4, max_num_batched_tokens=8)
+    hfpaged.patch(model, num_blocks=12, block_size=4, max_num_batched_tokens=8)
+    assert model._hfpaged.long_rope.crossing == CROSSING[arch]
+    prompts, expected = served(model, prompts, expected)
     assert [r.token_ids for r in model.generate_many(prompts, **SETTINGS)] == expected
     runner = model._hfpaged.engine.runner
     assert model._hfpaged.use_triton and runner.num_graph_steps > 0

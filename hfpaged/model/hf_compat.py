@@ -247,24 +247,33 @@ class _CacheOfLength:
         return self.length
 
 
-def generate_recomputes_past(model: Any, original: int) -> bool | None:
-    """Whether ``generate`` drops the cache of a sequence that grows past ``original`` tokens and recomputes it
-    (Phi-3's ``prepare_inputs_for_generation``: every position then has the long frequencies); None: no clear
-    answer (the preparation fails outside ``generate``, or it also drops a cache short of ``original``)."""
+def longrope_crossing(model: Any, original: int) -> str | None:
+    """What ``generate`` does when a sequence grows past ``original`` tokens (the forward whose input holds
+    ``original + 1`` tokens over a cache of ``original``): "keep" (Llama: the cache stays, later tokens go long),
+    "recompute" (Phi-3 from transformers 5.24 on at least: the cache is dropped and the whole sequence computed
+    long), "drop" (Phi-3 on transformers 5.17: the cache is dropped but only the last token is computed, with no
+    context at all); None: no clear answer (the preparation fails outside ``generate``, or it also drops a cache
+    short of ``original``)."""
     import warnings
 
-    def keeps(num_tokens: int, cached: int) -> bool:
+    def prepare(num_tokens: int, cached: int) -> tuple[bool, int]:
         input_ids = torch.zeros(1, num_tokens, dtype=torch.long)
+        # what generate passes for the new tokens: next_sequence_length from 5.20 on, cache_position before
+        new = dict(next_sequence_length=num_tokens - cached, cache_position=torch.arange(cached, num_tokens))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a deprecated cache kwarg's name
             prepared = model.prepare_inputs_for_generation(
-                input_ids, past_key_values=_CacheOfLength(cached), use_cache=True
+                input_ids, past_key_values=_CacheOfLength(cached), use_cache=True, **new
             )
-        return any(isinstance(prepared.get(key), _CacheOfLength) for key in ("past_key_values", "cache"))
+        kept = any(isinstance(prepared.get(key), _CacheOfLength) for key in ("past_key_values", "cache"))
+        return kept, prepared["input_ids"].shape[-1]
 
     try:
-        if not keeps(original, original - 1):
+        if not prepare(original, original - 1)[0]:
             return None
-        return not keeps(original + 1, original)
+        kept, num_inputs = prepare(original + 1, original)
     except Exception:
         return None
+    if kept:
+        return "keep"
+    return {original + 1: "recompute", 1: "drop"}.get(num_inputs)

@@ -6,9 +6,11 @@ sequence per forward, so for a request whose prompt has P tokens:
 - a prompt with P > L is computed long at every position (its prefill forward reaches P - 1 >= L);
 - otherwise tokens are computed short until the sequence reaches position L. There a model like Llama rotates each
   later token long and keeps the short keys it cached; Phi-3 (and PhiMoE, Phi-4-multimodal) instead drop the cache
-  in ``prepare_inputs_for_generation`` and recompute the whole sequence long (``hf_compat.generate_recomputes_past``
-  tells the two apart). hfpaged does the same: the scheduler recomputes such a request from its first token when it
-  grows past L tokens (``Scheduler.restart_past``), as after a preemption, and from then on it is long.
+  in ``prepare_inputs_for_generation`` and recompute the whole sequence long (``hf_compat.longrope_crossing``
+  tells them apart). hfpaged does the same: the scheduler recomputes such a request from its first token when it
+  grows past L tokens (``Scheduler.restart_past``), as after a preemption, and from then on it is long. On
+  transformers 5.17 Phi-3's generate drops the cache there but computes only the last token, with no context:
+  hfpaged refuses requests that would reach that forward (``LongRope.refusal``) rather than copy it.
 A request that is long at every position carries ``CACHE_SALT`` (``Request.cache_salt``): its prefix-cache blocks
 are shared only with other such requests. A paged step packs many sequences and chunks of prompts, so the decision
 is made per token on the host (``long_positions``: salted, or at a position >= L) and travels in the position
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import transformers
 
 from ..core.request import LONG_ROPE_SALT
 from . import hf_compat
@@ -39,12 +42,31 @@ CACHE_SALT = LONG_ROPE_SALT  # the prefix-cache salt of requests long at every p
 
 @dataclass
 class LongRope:
-    """The model's longrope rotary modules, the length L past which tokens go long, and whether ``generate``
-    recomputes a sequence long when it grows past L."""
+    """The model's longrope rotary modules, the length L past which tokens go long, and what ``generate`` does
+    when a sequence grows past L (``hf_compat.longrope_crossing``: "keep", "recompute" or "drop")."""
 
     original: int
     modules: list[tuple[torch.nn.Module, hf_compat.LongRopeParts]]
-    restarts: bool = False
+    crossing: str = "keep"
+
+    @property
+    def restarts(self) -> bool:
+        """A request growing past L is computed again from its first token (``Scheduler.restart_past``)."""
+        return self.crossing == "recompute"
+
+    def refusal(self, num_prompt_tokens: int, max_length: int) -> str | None:
+        """Why a request may not run, or None. Where ``generate`` drops the cache past L and computes only the last
+        token (Phi-3 on transformers 5.17), a short prompt's continuation past L has no context in stock output:
+        hfpaged serves what stock computes, so such a request (a forward over L + 1 tokens) is refused."""
+        if self.crossing != "drop" or num_prompt_tokens > self.original or max_length <= self.original + 1:
+            return None
+        return (
+            f"a prompt of at most {self.original} tokens may grow to {self.original + 1} tokens at most with this "
+            f"model on transformers {transformers.__version__}: past that, its generate drops the cache and "
+            "computes each new token without context (later transformers recompute the sequence; hfpaged does "
+            "that there); lower max_new_tokens, or give a prompt longer than "
+            f"{self.original} tokens"
+        )
 
     def cache_salt(self, num_prompt_tokens: int) -> str | None:
         """A new request's salt: long at every position iff its prompt is longer than L."""
@@ -107,10 +129,10 @@ def find_long_rope(model: torch.nn.Module, device: torch.device, lock) -> LongRo
     if len(originals) != 1:
         return None
     original = originals.pop()
-    restarts = hf_compat.generate_recomputes_past(model, original)
-    if restarts is None:
+    crossing = hf_compat.longrope_crossing(model, original)
+    if crossing is None:
         return None
-    long_rope = LongRope(original, found, restarts)
+    long_rope = LongRope(original, found, crossing)
     # the same short-frequency tokens, marked and not: only the rotary modules may see the difference
     short = LongRope(
         long_rope.original, [(m, hf_compat.LongRopeParts(p.original, p.forward, m.original_inv_freq)) for m, p in found]
