@@ -151,6 +151,20 @@ def test_where_generate_computes_past_l_without_context_requests_reaching_that_a
     assert [r.token_ids for r in results] == [expected[0], expected[2]]
 
 
+def test_a_rope_buffer_replaced_under_inference_mode_leaves_the_model_usable():
+    # transformers 5.17's longrope forward re-registers inv_freq; under torch.inference_mode (a stock generate of the
+    # user's, or a forward past L) the new buffer is an inference tensor, which has no version counter
+    model = longrope_model("llama")
+    prompts = random_prompts([5, 20], seed=6)
+    expected = expected_tokens(model, prompts)
+    hfpaged.patch(model, num_blocks=16, block_size=4)
+    rotary = model.model.rotary_emb
+    with torch.inference_mode():
+        rotary.register_buffer("inv_freq", rotary.original_inv_freq.clone(), persistent=False)
+    assert rotary.inv_freq.is_inference()
+    assert [r.token_ids for r in model.generate_many(prompts, **SETTINGS)] == expected
+
+
 def test_tokens_are_marked_long_where_stock_generate_rotates_them_long():
     positions = np.array([0, 15, 16, 40, 3, 20])
     salted = np.array([False, False, False, False, True, True])  # the last two: requests long at every position
@@ -175,3 +189,18 @@ def test_longrope_models_are_exact_on_cuda_with_default_options(arch):
     assert generate_in_threads(model, prompts, **SETTINGS) == [expected[i::3] for i in range(3)]
     stats = hfpaged.stats(model)
     assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
+@pytest.mark.gpu
+def test_a_longrope_pool_sized_by_a_profile_forward_past_l_on_cuda():
+    # the profile forward (max_num_batched_tokens tokens at positions up to the model's length) runs the rotary
+    # modules as steps do: their own forward, whose frequency switch re-registered inv_freq as an inference tensor
+    # on transformers 5.17 (patch then failed reading its version), never runs
+    model = longrope_model("llama").cuda()
+    prompts = random_prompts(LENGTHS, seed=1)
+    expected = expected_tokens(model, prompts)
+    buffer = model.model.rotary_emb.inv_freq
+    hfpaged.patch(model, gpu_memory_utilization=0.3, max_num_batched_tokens=256)
+    assert model.model.rotary_emb.inv_freq is buffer
+    assert [r.token_ids for r in model.generate_many(prompts, **SETTINGS)] == expected
+    assert model._hfpaged.engine.runner.num_graph_steps > 0

@@ -45,6 +45,12 @@ from .tp_local import LocalProjections, local_projections
 logger = logging.getLogger("hfpaged")
 
 
+def _version(tensor: torch.Tensor) -> int:
+    """A tensor's version counter; -1 for an inference tensor, which has none (a RoPE buffer re-registered by a
+    forward under ``torch.inference_mode``: its storage still tells a new one apart)."""
+    return -1 if tensor.is_inference() else tensor._version
+
+
 class WeightsVersion:
     """A cheap fingerprint of what a model computes: where each parameter lives, how often it (and each buffer) was
     written in place, and (PEFT models) which adapters its layers apply. Writes through ``param.data`` bypass the
@@ -73,7 +79,7 @@ class WeightsVersion:
         buffers = [b for module in modules for b in module._buffers.values() if b is not None]
         return (
             tuple(p.data_ptr() for p in params),
-            tuple(p._version for p in params) + tuple((b.data_ptr(), b._version) for b in buffers),
+            tuple(p._version for p in params) + tuple((b.data_ptr(), _version(b)) for b in buffers),
             adapter_state(self.adapter_layers),
         )
 
@@ -249,7 +255,9 @@ def _attach(
         check_triton_devices(layers, "attention_backend='triton'", "use 'auto' or 'torch' there")
         if (wide := wide_heads(layers)) is not None:
             raise ValueError(f"attention_backend='triton': {wide}; use 'auto' (the torch attention for this model)")
-    num_blocks = size_pool(model, config, layers, attn_configs, input_device, model_len, lock)
+    length_limit = min((limit for limit in (rope_limit, window_length_limit(model, layers)) if limit), default=None)
+    profile_len = min(model_len or length_limit[0], length_limit[0]) if length_limit else model_len
+    num_blocks = size_pool(model, config, layers, attn_configs, input_device, profile_len, lock, long_rope)
     if tp is not None:
         num_blocks = tp.min_int(num_blocks)  # a block id names the same slots on every rank
     kv_caches = allocate_caches(layers, num_blocks, config.block_size, kv_dtype)
@@ -274,7 +282,7 @@ def _attach(
         tokenizer=tokenizer,
         vocab_size=model.get_input_embeddings().weight.shape[0],
         max_model_len=model_len,
-        length_limit=min((limit for limit in (rope_limit, window_length_limit(model, layers)) if limit), default=None),
+        length_limit=length_limit,
         kv_cache_dtype=kv_dtype,
         fused_projections=fused,
         tp=tp,

@@ -19,6 +19,7 @@ from ..core.block_pool import cdiv
 from ..core.config import EngineConfig
 from .attention import Discovery, LayerRecord, UnsupportedModelError, paged_forward, probing
 from .kv_quant import cache_dtype
+from .long_rope import LongRope, long_rope_step
 
 CUDA_HEADROOM_BYTES = 512 << 20  # CUDA graphs, sampling buffers, allocator slack
 
@@ -201,9 +202,11 @@ def size_pool(
     input_device: torch.device,
     model_len: int | None,
     lock: threading.RLock,
+    long_rope: LongRope | None = None,
 ) -> int:
     """The number of blocks: ``config.num_blocks``, or what fits the memory budget (never more than
-    ``max_num_seqs`` sequences of the model's full length)."""
+    ``max_num_seqs`` sequences of ``model_len``, the longest a request may grow). The profile forward runs as a
+    step runs (a longrope model's rotary modules as ``long_rope_step`` has them)."""
     if config.num_blocks is not None:
         return config.num_blocks
     per_device = block_bytes(layers, config.block_size, cache_dtype(config.kv_cache_dtype))
@@ -211,10 +214,10 @@ def size_pool(
     if not all(layer.device.type == "cuda" for layer in layers):
         budget = int(config.cpu_kv_cache_gib * (1 << 30))
         return max(1, min(upper, budget // sum(per_device.values())))
-    return _size_pool_cuda(model, config, configs, input_device, model_len, per_device, upper, lock)
+    return _size_pool_cuda(model, config, configs, input_device, model_len, per_device, upper, lock, long_rope)
 
 
-def _size_pool_cuda(model, config, configs, input_device, model_len, per_device, upper, lock) -> int:
+def _size_pool_cuda(model, config, configs, input_device, model_len, per_device, upper, lock, long_rope) -> int:
     """Profile one forward at max_num_batched_tokens, give gpu_memory_utilization of memory to the pool."""
     devices = sorted(per_device, key=str)
     for dev in devices:
@@ -229,7 +232,7 @@ def _size_pool_cuda(model, config, configs, input_device, model_len, per_device,
     kwargs = {}
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
         kwargs["logits_to_keep"] = torch.arange(num_tokens - num_logits, num_tokens, device=input_device)
-    with torch.inference_mode(), paged_forward(configs, lock):
+    with torch.inference_mode(), paged_forward(configs, lock), long_rope_step(long_rope):
         model(input_ids=input_ids, position_ids=positions[None], use_cache=False, hfpaged=Discovery(), **kwargs)
     num_blocks = upper
     for dev in devices:
