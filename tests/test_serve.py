@@ -7,6 +7,7 @@ the engine side's messages alone, ``generate_many`` sharing the engine with the 
 that dies, and ``create_app`` under Starlette's test client."""
 
 import asyncio
+import functools
 import json
 import os
 import pickle
@@ -919,3 +920,29 @@ def test_the_servers_context_length_is_a_models_length_limit():
     plain = make_model("llama")
     hfpaged.patch(plain, num_blocks=32)
     assert model_limits(plain).max_model_len == plain.config.max_position_embeddings
+
+
+def test_short_prompts_of_a_longrope_model_that_computes_past_l_without_context_get_that_bound(monkeypatch):
+    # Phi-3 on transformers < 5.20 (hfpaged/model/long_rope.py: such requests are refused past L + 1 tokens): the
+    # server's default completion stops there, and a longer one is a context-length error, not an engine failure
+    from models import LONGROPE
+
+    from hfpaged.model import hf_compat
+    from hfpaged.serve.engine_loop import model_limits
+    from hfpaged.serve.errors import APIError
+    from hfpaged.serve.request_params import completion_budget
+
+    monkeypatch.setattr(hf_compat, "longrope_crossing", lambda model, original: "drop")
+    model = make_model(
+        "phi3", rope_parameters=LONGROPE, max_position_embeddings=64, original_max_position_embeddings=16
+    )
+    hfpaged.patch(model, num_blocks=32)
+    limits = model_limits(model)
+    assert limits.max_total_tokens == 64 and limits.short_prompts == (16, 17)
+    budget = functools.partial(completion_budget, limits=limits, default=None, prompt_param="prompt")
+    assert budget(None, 5) == 12 and budget(None, 16) == 1 and budget(None, 17) == 47
+    assert budget(12, 5) == 12 and budget(40, 20) == 40
+    with pytest.raises(APIError, match="maximum length for prompts of at most 16 tokens is 17 tokens"):
+        budget(13, 5)
+    prompt = list(range(3, 8))
+    assert len(model.generate_many([prompt], max_new_tokens=budget(None, 5), do_sample=False)[0].token_ids) == 12

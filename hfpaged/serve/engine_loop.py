@@ -56,11 +56,16 @@ def model_limits(model: Any) -> ModelLimits:
     length_limit = getattr(getattr(model, "_hfpaged", None), "length_limit", None)  # hfpaged.model.attach
     if length_limit is not None:
         max_model_len = min(max_model_len or length_limit[0], length_limit[0])
+    long_rope = getattr(getattr(model, "_hfpaged", None), "long_rope", None)
+    short_prompts = None
+    if long_rope is not None and long_rope.crossing == "drop":  # LongRope.refusal: they may grow to L + 1 tokens
+        short_prompts = (long_rope.original, long_rope.original + 1)
     stats = pool_stats(model)
     return ModelLimits(
         max_model_len=int(max_model_len) if max_model_len else None,
         max_pool_tokens=stats["num_blocks"] * stats["block_size"],
         vocab_size=model.get_input_embeddings().weight.shape[0],
+        short_prompts=short_prompts,
     )
 
 

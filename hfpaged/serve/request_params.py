@@ -18,6 +18,9 @@ class ModelLimits:
     max_model_len: int | None  # max_position_embeddings; None when the config does not say
     max_pool_tokens: int  # num_blocks * block_size: one sequence can never hold more
     vocab_size: int
+    # (P, N): a prompt of at most P tokens may reach N tokens in all (a longrope model whose generate computes
+    # tokens past P without context, on transformers < 5.20; hfpaged/model/long_rope.py); None: no such bound
+    short_prompts: tuple[int, int] | None = None
 
     @property
     def max_total_tokens(self) -> int:
@@ -25,6 +28,12 @@ class ModelLimits:
         if self.max_model_len is None:
             return self.max_pool_tokens
         return min(self.max_model_len, self.max_pool_tokens)
+
+    def total_tokens_for(self, prompt_len: int) -> int:
+        """Prompt + completion tokens a sequence with a prompt of ``prompt_len`` tokens can reach."""
+        if self.short_prompts is not None and prompt_len <= self.short_prompts[0]:
+            return min(self.short_prompts[1], self.max_total_tokens)
+        return self.max_total_tokens
 
 
 def stop_strings(request: SamplingRequest) -> list[str]:
@@ -39,10 +48,12 @@ def completion_budget(
     max_tokens: int | None, prompt_len: int, limits: ModelLimits, *, default: int | None, prompt_param: str
 ) -> int:
     """``max_new_tokens`` for a prompt of ``prompt_len`` tokens: the request's, else ``default``, else all room left."""
-    limit = limits.max_total_tokens
+    limit = limits.total_tokens_for(prompt_len)
     what = (
         "context length" if limits.max_model_len is not None and limit == limits.max_model_len else "KV cache capacity"
     )
+    if limit < limits.max_total_tokens:
+        what = f"length for prompts of at most {limits.short_prompts[0]} tokens"
     if prompt_len >= limit:
         raise invalid_request(
             f"This model's maximum {what} is {limit} tokens. However, your {prompt_param} has {prompt_len} tokens, "
