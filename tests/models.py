@@ -117,6 +117,23 @@ def generate_in_threads(model, prompts: list[list[int]], callers: int = 3, timeo
     return results
 
 
+def check_callers_and_changed_weights(model, prompts: list[list[int]], expected: list[list[int]], **settings) -> None:
+    """On a patched ``model`` whose greedy ``expected`` tokens for ``prompts`` are stock's: three callers at once
+    get them, then an in-place weight change is seen by the next call (stock's new tokens), and the pool ends free."""
+    import hfpaged
+
+    assert generate_in_threads(model, [dict(prompt=p, **settings) for p in prompts]) == [
+        expected[i::3] for i in range(3)
+    ]
+    with torch.no_grad():
+        model.model.layers[0].self_attn.o_proj.weight.mul_(-1.5)
+    changed = reference_generate(model, prompts, **settings)
+    assert changed != expected
+    assert [r.token_ids for r in model.generate_many(prompts, **settings)] == changed
+    stats = hfpaged.stats(model)
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
 # More architectures, token-exact in tests/test_architectures.py: each brings something the ones above do not
 # (parallel attention/MLP, q/k norms, muP multipliers, NoPE layers, MoE routing, MLA's narrower V heads,
 # multi-query attention, partial rotary, interleaved sliding/full layers).
