@@ -45,8 +45,6 @@ class EngineCore:
             counters=state.counters,
         )
         self.scheduler = Scheduler(config, self.kv)
-        if state.long_rope is not None and state.long_rope.restarts:
-            self.scheduler.restart_past = state.long_rope.original
         self.runner = ModelRunner(model, state)
         self.prompts = PromptMaker(model, state)
         self.prompts.in_use = self.scheduler.requests.__contains__  # generated ids skip the ids callers chose

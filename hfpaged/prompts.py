@@ -332,7 +332,8 @@ class PromptMaker:
             device=state.input_device,
         )
         self._validate_size(params.max_length, index, params.num_beams)
-        if state.long_rope is not None and (why := state.long_rope.refusal(len(token_ids), params.max_length)):
+        long_rope, config = state.long_rope, params.generation_config
+        if long_rope is not None and (why := long_rope.refusal(len(token_ids), params.max_length, config)):
             raise ValueError(
                 f"{prompt_name(index)} has {len(token_ids)} tokens and may grow to {params.max_length}: {why}"
             )
@@ -343,8 +344,8 @@ class PromptMaker:
                 f"max_num_seqs is {state.config.max_num_seqs}"
             )
         request = Request(request_id if request_id is not None else self.new_id(), token_ids, params, index=index)
-        if state.long_rope is not None:
-            request.cache_salt = state.long_rope.cache_salt(len(token_ids))
+        if long_rope is not None:
+            request.cache_salt, request.restart_past = long_rope.request_settings(len(token_ids), config)
         if params.num_beams > 1:
             RequestGroup(
                 request,

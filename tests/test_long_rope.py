@@ -4,6 +4,8 @@ rotates tokens past L long and keeps its short keys, Phi-3 recomputes the whole 
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -163,6 +165,77 @@ def test_a_rope_buffer_replaced_under_inference_mode_leaves_the_model_usable():
         rotary.register_buffer("inv_freq", rotary.original_inv_freq.clone(), persistent=False)
     assert rotary.inv_freq.is_inference()
     assert [r.token_ids for r in model.generate_many(prompts, **SETTINGS)] == expected
+
+
+@pytest.mark.parametrize("options", [dict(async_scheduling=False), dict(repetition_penalty=1.3)])
+def test_a_lone_request_computed_again_past_l_without_a_step_in_flight(options):
+    # Phi-3 ("recompute"; on transformers < 5.20 the same with use_cache=False): the restart step used to close
+    # admission, so a lone request with no overlapped step stopped with "scheduler made no progress"
+    model = longrope_model("phi3")
+    prompt = random_prompts([14], seed=21)[0]
+    patch_options = {k: v for k, v in options.items() if k == "async_scheduling"}
+    settings = dict(SETTINGS, max_new_tokens=6, **{k: v for k, v in options.items() if k not in patch_options})
+    if CROSSING["phi3"] == "drop":
+        settings["use_cache"] = False  # every stock forward computes the whole sequence: long past L
+    expected = reference_generate(model, [prompt], **settings)
+    hfpaged.patch(model, num_blocks=16, block_size=4, **patch_options)
+    assert [r.token_ids for r in model.generate_many([prompt], **settings)] == expected
+    assert hfpaged.stats(model)["num_free_blocks"] == 16
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_use_cache_false_computes_the_sequence_again_past_l_as_generate_does(arch):
+    # stock generate(use_cache=False) runs every forward over the whole sequence: past L every key is long (Llama
+    # keeps its short keys with the cache); hfpaged computes such a request again from its first token there
+    model = longrope_model(arch)
+    prompts = random_prompts([5, 10, 14, 20], seed=211)
+    settings = dict(SETTINGS, max_new_tokens=10)
+    expected = reference_generate(model, prompts, use_cache=False, **settings)
+    if arch == "llama":
+        assert expected != reference_generate(model, prompts, **settings)  # the setting matters here
+    hfpaged.patch(model, num_blocks=14, block_size=4, max_num_batched_tokens=8)
+    assert [r.token_ids for r in model.generate_many(prompts, use_cache=False, **settings)] == expected
+    stats = hfpaged.stats(model)
+    assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_a_prefill_chunk_size_shorter_than_a_long_prompt_is_refused():
+    # stock's chunked prefill rotates its first chunks short (their own length is below L)
+    model = longrope_model("llama")
+    short, long = random_prompts([10, 20], seed=8)
+    hfpaged.patch(model, num_blocks=16, block_size=4)
+    with pytest.raises(ValueError, match=r"prompt 1 has 20 tokens .*prefill_chunk_size=8 with this longrope model"):
+        model.generate_many([short, long], prefill_chunk_size=8, max_new_tokens=4)
+    assert hfpaged.stats(model)["num_free_blocks"] == 16
+    expected = reference_generate(model, [short, long], prefill_chunk_size=32, max_new_tokens=4, do_sample=False)
+    got = model.generate_many([short, long], prefill_chunk_size=32, max_new_tokens=4, do_sample=False)
+    assert [r.token_ids for r in got] == expected
+
+
+def test_another_threads_stock_decoder_forward_keeps_its_own_rotation():
+    # the per-token rotary forward serves this thread's paged steps only: a stock call of the decoder from another
+    # thread (outside the model's forward lock) while steps run rotates its 30 tokens long, as stock does
+    model = longrope_model("llama")
+    x = torch.tensor([random_prompts([30], seed=152)[0]])
+    with torch.no_grad():
+        alone = model.model(x).last_hidden_state
+    hfpaged.patch(model, num_blocks=40, block_size=4)
+    stop, seen = threading.Event(), []
+
+    def stock_calls():
+        while not stop.is_set():
+            with torch.no_grad():
+                seen.append(torch.equal(model.model(x).last_hidden_state, alone))
+
+    thread = threading.Thread(target=stock_calls)
+    thread.start()
+    try:
+        for _ in range(3):
+            model.generate_many(random_prompts([10, 20, 30], seed=1), max_new_tokens=10, do_sample=False)
+    finally:
+        stop.set()
+        thread.join()
+    assert seen and all(seen)
 
 
 def test_tokens_are_marked_long_where_stock_generate_rotates_them_long():

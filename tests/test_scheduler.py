@@ -221,19 +221,19 @@ def test_length_stop_and_eos_take_precedence_in_order():
 def test_a_request_growing_past_restart_past_is_computed_again_from_its_first_token_with_the_salt():
     # a longrope model whose generate recomputes a sequence long past L tokens (Phi-3, model/long_rope.py)
     s = make(budget=10)
-    s.restart_past = 4
     a, b = request("a", 3), request("b", 2)
+    a.restart_past = b.restart_past = 4
     s.add(a)
     s.add(b)
     assert plan(step(s)) == [("a", 0, 3, True), ("b", 0, 2, True)]
     assert plan(step(s)) == [("a", 3, 1, True), ("b", 2, 1, True)]  # a: 5 tokens now, its keys short
-    out = step(s)  # a goes back to waiting (nothing joins in a step that preempts); b decodes on
-    assert out.preempted_ids == ["a"] and plan(out) == [("b", 3, 1, True)]
-    assert a.cache_salt == LONG_ROPE_SALT and a.num_computed_tokens == 0 and b.cache_salt is None
-    out = step(s)  # b has grown past 4 now: waiting too
-    assert out.preempted_ids == ["b"] and plan(out) == [] and b.cache_salt == LONG_ROPE_SALT
-    assert plan(step(s)) == [("b", 0, 5, True), ("a", 0, 5, True)]  # both back at the front of waiting
-    assert plan(step(s)) == [("b", 5, 1, True), ("a", 5, 1, True)]
+    out = step(s)  # a starts over (in the same step: a restart frees blocks, it is not for room); b decodes on
+    assert out.preempted_ids == ["a"] and plan(out) == [("b", 3, 1, True), ("a", 0, 5, True)]
+    assert a.cache_salt == LONG_ROPE_SALT and b.cache_salt is None
+    out = step(s)  # b has grown past 4 now
+    assert out.preempted_ids == ["b"] and plan(out) == [("a", 5, 1, True), ("b", 0, 5, True)]
+    assert b.cache_salt == LONG_ROPE_SALT
+    assert plan(step(s)) == [("a", 6, 1, True), ("b", 5, 1, True)]
     assert s.counters["num_preemptions"] == 0 and a.num_preemptions == 0  # restarts are not preemptions
 
 
@@ -248,7 +248,8 @@ def test_a_waiting_or_swapped_request_past_restart_past_is_salted_and_computed_f
     s._preempt_one(b, SchedulerOutput(), allow_swap=False)  # waiting, recompute
     assert a.status is RequestStatus.SWAPPED and b.status is RequestStatus.WAITING
     hashes = s.kv._hashes.get("b")
-    s.restart_past = 4
+    a.restart_past = b.restart_past = 4
+    s._restarting = True  # (Scheduler.add sets it for a request added with a restart point)
     out = step(s)
     assert a.status is RequestStatus.RUNNING and a.cache_salt == LONG_ROPE_SALT == b.cache_salt
     assert not out.swap_in and plan(out) == [("a", 0, 6, True), ("b", 0, 4, False)]

@@ -45,6 +45,7 @@ class RequestGroup:
         member.arrival_time = root.arrival_time
         member.stream_outputs = root.stream_outputs
         member.cache_salt = root.cache_salt
+        member.restart_past = root.restart_past
         self.members.append(member)
         return member
 
@@ -94,6 +95,9 @@ class Request:
         self.stream_outputs = True
         # prefix-cache blocks are shared only between requests of the same salt (None: the unsalted chain)
         self.cache_salt: str | None = None
+        # a longrope model whose generate recomputes a sequence long once it grows past this many tokens (Phi-3, or
+        # generate(use_cache=False); model/long_rope.py): the scheduler computes it again there, salted
+        self.restart_past: int | None = None
 
     @property
     def num_tokens(self) -> int:

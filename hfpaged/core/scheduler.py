@@ -50,9 +50,7 @@ class Scheduler(SequenceGroups):
         self.watermark_blocks = int(config.watermark * kv.num_blocks)
         self._runner_has: set[str] = set()  # requests whose state the runner holds
         self._dropped: list[str] = []  # requests the runner should forget at the next step
-        # a longrope model whose generate recomputes a sequence long once it grows past this many tokens (Phi-3;
-        # hfpaged/model/long_rope.py): such a request is computed again from its first token there, with the salt
-        self.restart_past: int | None = None
+        self._restarting = False  # some request has a restart point (Request.restart_past): checked every step
 
     # --- queues -----------------------------------------------------------------------------------
 
@@ -63,6 +61,7 @@ class Scheduler(SequenceGroups):
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self._restarting = self._restarting or request.restart_past is not None
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -161,12 +160,15 @@ class Scheduler(SequenceGroups):
         self.waiting.appendleft(request)
 
     def _restart_long(self, out: SchedulerOutput) -> None:
-        """Requests that grew past ``restart_past`` tokens with short keys are computed again from their first
-        token, salted (what the model's generate does there): running ones (with their beam group) and swapped
-        ones go back to waiting; a waiting one (a token of a step in flight landed after it was preempted) is
-        salted where it is. Their hashes, chained without the salt, are dropped."""
-        past = self.restart_past
-        for request in [r for r in self.requests.values() if r.cache_salt is None and r.num_tokens > past]:
+        """Requests that grew past their ``restart_past`` tokens with short keys are computed again from their
+        first token, salted (what the model's generate does there): running ones (with their beam group) and
+        swapped ones go back to the front of waiting; a waiting one (a token of a step in flight landed after it
+        was preempted) is salted where it is. Their hashes, chained without the salt, are dropped."""
+        for request in [
+            r
+            for r in self.requests.values()
+            if r.restart_past is not None and r.cache_salt is None and r.num_tokens > r.restart_past
+        ]:
             if request.cache_salt is not None:
                 continue  # restarted with its beam group
             members = [request]
@@ -210,8 +212,9 @@ class Scheduler(SequenceGroups):
         budget = self.config.max_num_batched_tokens
         max_num_seqs = self.config.max_num_seqs
         scheduled: dict[str, ScheduledRequest] = {}
-        if self.restart_past is not None:
+        if self._restarting:
             self._restart_long(out)
+        restarted = len(out.preempted_ids)  # restarts leave admission open (they free blocks, never for room)
 
         # A request whose placeholder token (sampled by the step still in flight) ends it by length is not
         # planned again: it finishes when that token is read back.
@@ -245,7 +248,8 @@ class Scheduler(SequenceGroups):
             scheduled[request.request_id] = _scheduled(request, num_new, num_tokens)
             budget -= num_new
 
-        if not out.preempted_ids:
+        preempted = len(out.preempted_ids) > restarted
+        if not preempted:
             while self.swapped and budget > 0 and len(self.running) < max_num_seqs:
                 request = self.swapped[0]
                 num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -256,9 +260,11 @@ class Scheduler(SequenceGroups):
                 self.swapped.popleft()
                 out.swap_in.append(copy)
                 budget -= self._run(request, num_new, scheduled)
-        if not out.preempted_ids and not self.swapped:
+        if not preempted and not self.swapped:
             while self.waiting and budget > 0 and len(self.running) < max_num_seqs:
                 request = self.waiting[0]
+                if request.num_output_placeholders:
+                    break  # restarted while its token is in flight: the runner would rebuild it without that token
                 if request.beam_search is not None and len(request.group.members) > 1:
                     budget_left = self._admit_beams(request.group.members, budget, scheduled)
                     if budget_left is None:

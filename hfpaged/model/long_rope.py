@@ -8,9 +8,12 @@ sequence per forward, so for a request whose prompt has P tokens:
   later token long and keeps the short keys it cached; Phi-3 (and PhiMoE, Phi-4-multimodal) instead drop the cache
   in ``prepare_inputs_for_generation`` and recompute the whole sequence long (``hf_compat.longrope_crossing``
   tells them apart). hfpaged does the same: the scheduler recomputes such a request from its first token when it
-  grows past L tokens (``Scheduler.restart_past``), as after a preemption, and from then on it is long. On
+  grows past L tokens (``Request.restart_past``), as after a preemption, and from then on it is long. On
   transformers 5.17 Phi-3's generate drops the cache there but computes only the last token, with no context:
   hfpaged refuses requests that would reach that forward (``LongRope.refusal``) rather than copy it.
+- ``generate(use_cache=False)`` runs every forward over the whole sequence: past L all of it is long, for any
+  model; such a request is restarted like a Phi-3 one. ``prefill_chunk_size`` shorter than a prompt longer than L
+  is refused (stock rotates the first chunks short).
 A request that is long at every position carries ``CACHE_SALT`` (``Request.cache_salt``): its prefix-cache blocks
 are shared only with other such requests. A paged step packs many sequences and chunks of prompts, so the decision
 is made per token on the host (``long_positions``: salted, or at a position >= L) and travels in the position
@@ -25,9 +28,11 @@ would, or whose ``generate`` cannot be told apart, keeps the length limit (``hf_
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,14 +56,35 @@ class LongRope:
 
     @property
     def restarts(self) -> bool:
-        """A request growing past L is computed again from its first token (``Scheduler.restart_past``)."""
+        """A request growing past L is computed again from its first token (``Request.restart_past``)."""
         return self.crossing == "recompute"
 
-    def refusal(self, num_prompt_tokens: int, max_length: int) -> str | None:
-        """Why a request may not run, or None. Where ``generate`` drops the cache past L and computes only the last
-        token (Phi-3 on transformers 5.17), a short prompt's continuation past L has no context in stock output:
-        hfpaged serves what stock computes, so such a request (a forward over L + 1 tokens) is refused."""
-        if self.crossing != "drop" or num_prompt_tokens > self.original or max_length <= self.original + 1:
+    def request_settings(self, num_prompt_tokens: int, generation_config: Any) -> tuple[str | None, int | None]:
+        """A new request's (cache salt, restart point): salted iff its prompt is longer than L (long at every
+        position); restarted past L tokens where generate recomputes the sequence there (Phi-3 from transformers
+        5.20, and any model under ``use_cache=False``, whose every forward computes the whole sequence)."""
+        salt = CACHE_SALT if num_prompt_tokens > self.original else None
+        recomputes = self.restarts or getattr(generation_config, "use_cache", True) is False
+        return salt, self.original if recomputes else None
+
+    def refusal(self, num_prompt_tokens: int, max_length: int, generation_config: Any) -> str | None:
+        """Why a request may not run, or None.
+
+        - Where ``generate`` drops the cache past L and computes only the last token (Phi-3 on transformers
+          5.17-5.19), a short prompt's continuation past L has no context in stock output: hfpaged serves what
+          stock computes, so such a request (one reaching a forward over L + 1 tokens) is refused.
+        - ``prefill_chunk_size`` shorter than a prompt longer than L: stock rotates each chunk by its own length
+          (the first chunks short), which hfpaged does not copy.
+        """
+        chunk = getattr(generation_config, "prefill_chunk_size", None)
+        if chunk and num_prompt_tokens > max(chunk, self.original):
+            return (
+                f"prefill_chunk_size={chunk} with this longrope model: generate rotates each prefill chunk with the "
+                f"frequencies of its own length (short below {self.original} positions), which hfpaged does not "
+                "copy; leave prefill_chunk_size unset"
+            )
+        cache_dropped = self.crossing == "drop" and getattr(generation_config, "use_cache", True) is not False
+        if not cache_dropped or num_prompt_tokens > self.original or max_length <= self.original + 1:
             return None
         return (
             f"a prompt of at most {self.original} tokens may grow to {self.original + 1} tokens at most with this "
@@ -68,10 +94,6 @@ class LongRope:
             f"{self.original} tokens"
         )
 
-    def cache_salt(self, num_prompt_tokens: int) -> str | None:
-        """A new request's salt: long at every position iff its prompt is longer than L."""
-        return CACHE_SALT if num_prompt_tokens > self.original else None
-
 
 def long_positions(positions: np.ndarray, salted: np.ndarray, original: int) -> np.ndarray:
     """``positions`` with ``LONG_POSITION`` added where stock ``generate`` uses the long frequencies: every token of
@@ -80,8 +102,14 @@ def long_positions(positions: np.ndarray, salted: np.ndarray, original: int) -> 
     return positions + long.astype(positions.dtype) * LONG_POSITION
 
 
+_in_step = threading.local()  # .depth: paged steps of this thread under way (long_rope_step)
+
+
 def _step_forward(module: torch.nn.Module, parts: hf_compat.LongRopeParts, x, position_ids, *args, **kwargs):
-    """The rotary forward of a paged step: each token's (cos, sin) from the set its mark names."""
+    """The rotary forward of a paged step: each token's (cos, sin) from the set its mark names. Another thread's
+    call (a stock forward of the decoder, outside the model's forward lock) runs the module's own forward."""
+    if not getattr(_in_step, "depth", 0):
+        return type(module).forward(module, x, position_ids, *args, **kwargs)
     long = position_ids >= LONG_POSITION
     positions = torch.where(long, position_ids - LONG_POSITION, position_ids)
     short = parts.rotate(module, False, x, positions, *args, **kwargs)
@@ -102,9 +130,11 @@ def long_rope_step(long_rope: LongRope | None) -> Iterator[None]:
         name = "_old_forward" if "_hf_hook" in module.__dict__ else "forward"
         installed.append((module, name, module.__dict__.get(name)))
         module.__dict__[name] = functools.partial(_step_forward, module, parts)
+    _in_step.depth = getattr(_in_step, "depth", 0) + 1
     try:
         yield
     finally:
+        _in_step.depth -= 1
         for module, name, previous in installed:
             if previous is None:
                 module.__dict__.pop(name, None)
