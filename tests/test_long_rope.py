@@ -276,3 +276,18 @@ def test_a_longrope_pool_sized_by_a_profile_forward_past_l_on_cuda():
     assert not model.model.rotary_emb.inv_freq.is_inference()
     assert [r.token_ids for r in model.generate_many(prompts, **SETTINGS)] == expected
     assert model._hfpaged.engine.runner.num_graph_steps > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_requests_computed_again_past_l_on_cuda_with_default_options(arch):
+    # the restart path in CUDA graphs: generate(use_cache=False) recomputes past L on every transformers version
+    model = longrope_model(arch).cuda()
+    prompts = random_prompts([5, 10, 14, 20], seed=211)
+    settings = dict(SETTINGS, max_new_tokens=10, use_cache=False)
+    expected = reference_generate(model, prompts, **settings)
+    hfpaged.patch(model, num_blocks=14, block_size=4, max_num_batched_tokens=8)
+    assert [r.token_ids for r in model.generate_many(prompts, **settings)] == expected
+    assert model._hfpaged.engine.runner.num_graph_steps > 0
+    stats = hfpaged.stats(model)
+    assert stats["num_free_blocks"] == stats["num_blocks"]
