@@ -20,6 +20,7 @@ Checked against transformers 5.17 and 5.23. What we use, and why:
 from __future__ import annotations
 
 import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -195,8 +196,6 @@ class LongRopeParts:
     def rotate(self, module: torch.nn.Module, long: bool, x: torch.Tensor, position_ids: torch.Tensor, *args, **kw):
         """The module's (cos, sin) with one of its two frequency sets, by its own undecorated forward (the module
         itself is left as it is: its forward reads the set from a stand-in)."""
-        import types
-
         inv_freq = self.long_inv_freq if long else module.original_inv_freq
         view = types.SimpleNamespace(
             inv_freq=inv_freq, attention_scaling=module.attention_scaling, config=module.config
@@ -250,8 +249,8 @@ class _CacheOfLength:
 def longrope_crossing(model: Any, original: int) -> str | None:
     """What ``generate`` does when a sequence grows past ``original`` tokens (the forward whose input holds
     ``original + 1`` tokens over a cache of ``original``): "keep" (Llama: the cache stays, later tokens go long),
-    "recompute" (Phi-3 from transformers 5.24 on at least: the cache is dropped and the whole sequence computed
-    long), "drop" (Phi-3 on transformers 5.17: the cache is dropped but only the last token is computed, with no
+    "recompute" (Phi-3 from transformers 5.20 on: the cache is dropped and the whole sequence computed long),
+    "drop" (Phi-3 on transformers 5.17-5.19: the cache is dropped but only the last token is computed, with no
     context at all); None: no clear answer (the preparation fails outside ``generate``, or it also drops a cache
     short of ``original``)."""
     import warnings

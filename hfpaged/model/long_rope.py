@@ -14,7 +14,7 @@ sequence per forward, so for a request whose prompt has P tokens:
 - ``generate(use_cache=False)`` runs every forward over the whole sequence: past L all of it is long, for any
   model; such a request is restarted like a Phi-3 one. ``prefill_chunk_size`` shorter than a prompt longer than L
   is refused (stock rotates the first chunks short).
-A request that is long at every position carries ``CACHE_SALT`` (``Request.cache_salt``): its prefix-cache blocks
+A request that is long at every position carries ``LONG_ROPE_SALT`` (``Request.cache_salt``): its prefix-cache blocks
 are shared only with other such requests. A paged step packs many sequences and chunks of prompts, so the decision
 is made per token on the host (``long_positions``: salted, or at a position >= L) and travels in the position
 itself: a long token's position carries ``LONG_POSITION`` on top. During paged steps each longrope module has a
@@ -42,7 +42,6 @@ from ..core.request import LONG_ROPE_SALT
 from . import hf_compat
 
 LONG_POSITION = 1 << 30  # added to a long token's position (int32 step inputs; positions stay below it)
-CACHE_SALT = LONG_ROPE_SALT  # the prefix-cache salt of requests long at every position
 
 
 @dataclass
@@ -55,6 +54,12 @@ class LongRope:
     crossing: str = "keep"
 
     @property
+    def short_prompt_limit(self) -> tuple[int, int] | None:
+        """(P, N): a prompt of at most P tokens may reach N tokens in all, where ``generate`` drops the cache past
+        L and computes only the last token (Phi-3 on transformers 5.17-5.19); None elsewhere."""
+        return (self.original, self.original + 1) if self.crossing == "drop" else None
+
+    @property
     def restarts(self) -> bool:
         """A request growing past L is computed again from its first token (``Request.restart_past``)."""
         return self.crossing == "recompute"
@@ -63,7 +68,7 @@ class LongRope:
         """A new request's (cache salt, restart point): salted iff its prompt is longer than L (long at every
         position); restarted past L tokens where generate recomputes the sequence there (Phi-3 from transformers
         5.20, and any model under ``use_cache=False``, whose every forward computes the whole sequence)."""
-        salt = CACHE_SALT if num_prompt_tokens > self.original else None
+        salt = LONG_ROPE_SALT if num_prompt_tokens > self.original else None
         recomputes = self.restarts or getattr(generation_config, "use_cache", True) is False
         return salt, self.original if recomputes else None
 
@@ -83,8 +88,10 @@ class LongRope:
                 f"frequencies of its own length (short below {self.original} positions), which hfpaged does not "
                 "copy; leave prefill_chunk_size unset"
             )
-        cache_dropped = self.crossing == "drop" and getattr(generation_config, "use_cache", True) is not False
-        if not cache_dropped or num_prompt_tokens > self.original or max_length <= self.original + 1:
+        bound = self.short_prompt_limit
+        if bound is None or getattr(generation_config, "use_cache", True) is False:
+            return None
+        if num_prompt_tokens > bound[0] or max_length <= bound[1]:
             return None
         return (
             f"a prompt of at most {self.original} tokens may grow to {self.original + 1} tokens at most with this "

@@ -57,9 +57,7 @@ def model_limits(model: Any) -> ModelLimits:
     if length_limit is not None:
         max_model_len = min(max_model_len or length_limit[0], length_limit[0])
     long_rope = getattr(getattr(model, "_hfpaged", None), "long_rope", None)
-    short_prompts = None
-    if long_rope is not None and long_rope.crossing == "drop":  # LongRope.refusal: they may grow to L + 1 tokens
-        short_prompts = (long_rope.original, long_rope.original + 1)
+    short_prompts = long_rope.short_prompt_limit if long_rope is not None else None  # what LongRope.refusal allows
     stats = pool_stats(model)
     return ModelLimits(
         max_model_len=int(max_model_len) if max_model_len else None,
