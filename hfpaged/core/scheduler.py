@@ -7,7 +7,9 @@ Policy (vLLM v1's framing, no separate prefill/decode phases):
    recompute (blocks freed, back to the front of waiting) or, in swap mode while CPU swap space
    has room, by swapping its blocks out (it keeps its progress and waits in the swapped queue);
 2. then swapped requests, then waiting ones, in order, while ``max_num_seqs`` and the token budget
-   allow and their blocks fit above the watermark (nothing joins in a step that preempted).
+   allow and their blocks fit above the watermark (nothing joins in a step that preempted for room).
+Before both, a request that grew past its restart point (``Request.restart_past``: a longrope model whose generate
+recomputes the sequence there) goes back to the front of waiting, to be computed again from its first token.
 A request is sampled only in a step that brings it fully up to date. Blocks are the KV manager's: the
 scheduler asks it and never touches block ids or reference counts.
 
