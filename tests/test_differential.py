@@ -25,7 +25,7 @@ ARCHS = ("llama", "qwen3", "gpt2")
 def stock(model, prompt, **settings):
     """Stock generate on one prompt: the generated ids of every returned sequence (beams: each at its length)."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), return_dict_in_generate=True, **settings)
+        out = model.generate(torch.tensor([prompt], device=model.device), return_dict_in_generate=True, **settings)
     sequences = out.sequences[:, len(prompt) :].tolist()
     if out.get("beam_indices") is None:
         return sequences
@@ -33,7 +33,7 @@ def stock(model, prompt, **settings):
     return [ids[:n] for ids, n in zip(sequences, lengths)]
 
 
-def draw_case(seed):
+def draw_case(seed, archs=ARCHS):
     rng = random.Random(seed)
     num_prompts = rng.randint(2, 8)
     prefix = [rng.randrange(3, VOCAB) for _ in range(rng.choice([0, 0, 5, 12, 21]))]
@@ -59,7 +59,7 @@ def draw_case(seed):
         enable_prefix_caching=rng.random() < 0.7,
     )
     return dict(
-        arch=ARCHS[seed % len(ARCHS)],
+        arch=archs[seed % len(archs)],
         prompts=prompts,
         kinds=kinds,
         new_tokens=new_tokens,
@@ -80,11 +80,9 @@ def model_for(arch):
     return model
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", CASES)
-def test_random_mixes_equal_stock_generate(case):
-    c = draw_case(case)
-    model = model_for(c["arch"])
+def case_entries(model, c):
+    """The case's requests (dicts for ``generate_many``) and each one's expected sequences: stock ``generate``'s
+    for greedy and beam prompts; a sampled prompt's own samples alone in a roomy pool (default options)."""
     prompts, kinds, new_tokens = c["prompts"], c["kinds"], c["new_tokens"]
     # an eos that the free-running model emits mid-way for some prompt (or none at all)
     free = stock(model, prompts[0], max_new_tokens=8, do_sample=False, eos_token_id=None)[0]
@@ -99,18 +97,34 @@ def test_random_mixes_equal_stock_generate(case):
         else:
             settings.update(do_sample=False)
         entries.append({"prompt": prompt, **settings})
-        if kind != "sampled":
-            expected.append(stock(model, prompt, pad_token_id=0, **{k: v for k, v in settings.items() if k != "seed"}))
-        else:
-            expected.append(None)  # filled below: the same request alone, in a roomy pool
+        expected.append(None if kind == "sampled" else stock_entry(model, entries[-1]))
     hfpaged.patch(model, num_blocks=256, block_size=16)
     for i, kind in enumerate(kinds):
         if kind == "sampled":
             expected[i] = [model.generate_many([entries[i]])[0].token_ids]
+    return entries, expected
+
+
+def stock_entry(model, entry):
+    """Stock ``generate`` on a greedy or beam-search request dict."""
+    settings = {k: v for k, v in entry.items() if k != "prompt"}
+    return stock(model, entry["prompt"], pad_token_id=0, **settings)
+
+
+def assert_pool_free(model):
+    st = hfpaged.stats(model)
+    assert st["num_free_blocks"] == st["num_blocks"] and st["num_free_cpu_blocks"] == st["num_cpu_blocks"], st
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_random_mixes_equal_stock_generate(case):
+    c = draw_case(case)
+    model = model_for(c["arch"])
+    entries, expected = case_entries(model, c)
     hfpaged.patch(model, **c["engine"])
     results = model.generate_many(entries)
     got = [[s.token_ids for s in r.sequences] for r in results]
     assert got == expected, c
-    st = hfpaged.stats(model)
-    assert st["num_free_blocks"] == st["num_blocks"] and st["num_free_cpu_blocks"] == st["num_cpu_blocks"], st
+    assert_pool_free(model)
     hfpaged.unpatch(model)
