@@ -169,8 +169,35 @@ def test_padding_layout_of_a_mixed_step():
     assert pad_lens.tolist() == [1, 1, 1, 1, 1, 1, 4]
     assert packed[at["seq_lens"]][2:].tolist() == pad_lens.tolist()
     assert (packed[at["slot_mapping"]][6:] == -1).all() and (packed[at["slot_mapping"]][:6] >= 0).all()
-    assert packed[at["positions"]][6:].tolist() == [0, 0, 0, 0, 0, 0, 0, 1, 2, 3]
+    assert packed[at["positions"]][6:].tolist() == [0] * 10  # padding: position 0 (see the next test)
     assert host.num_sampled == 2
+
+
+def test_padding_stays_inside_a_learned_position_table():
+    """GPT-2 embeds positions from a table of n_positions rows (a CUDA index past it is a device-side assert, which
+    poisons the process). Buckets of more tokens than the table holds: the mixed graphs' capture inputs and a
+    step padded by more tokens than that still give stock's tokens (found on the H100: the default
+    max_num_batched_tokens of 8,192 against GPT-2's 1,024 positions)."""
+    model = make_model("gpt2", seed=5, n_positions=24)
+    prompts = random_prompts([20, 19, 18, 17], seed=31)
+    expected = reference_generate(model, prompts, max_new_tokens=4, do_sample=False)
+    hfpaged.patch(model, num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=128)
+    runner = replay_eagerly(model)
+    seen = []
+    pack = runner.batch.pack
+
+    def recording(*args, **kwargs):
+        host = pack(*args, **kwargs)
+        if kwargs.get("pad_to"):  # the padding tokens: they store nothing
+            seen.append(int((host.packed[region_slices(*kwargs["pad_to"])["slot_mapping"]] == -1).sum()))
+        return host
+
+    runner.batch.pack = recording
+    assert [r.token_ids for r in model.generate_many(prompts, max_new_tokens=4, do_sample=False)] == expected
+    assert max(seen) > 24, seen  # a step padded past the table's rows
+    graphs = runner.mixed_graphs
+    at = region_slices(*graphs.shape(128))
+    assert (graphs._dummy_inputs(128)[at["positions"]] == 0).all()
 
 
 def run_both(arch, prompts, patch_options, eager_ok=False, **kwargs):

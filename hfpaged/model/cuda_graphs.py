@@ -152,14 +152,14 @@ class StepGraphs:
         return None
 
     def _dummy_inputs(self, bucket: int) -> np.ndarray:
-        """One sequence per token (decode), or one sequence holding every token (mixed); nothing stored."""
+        """One sequence per token (decode), or one sequence holding every token (mixed); nothing stored; every
+        position 0 (within any model's position table, as padding tokens are)."""
         num_tokens, num_reqs = self.shape(bucket)
         packed = np.zeros(packed_size(num_tokens, num_reqs, 0), dtype=np.int32)
         at = region_slices(num_tokens, num_reqs)
         packed[at["slot_mapping"]] = -1  # store nothing
         packed[at["logits_indices"]] = np.arange(num_reqs)
         if self.mixed:
-            packed[at["positions"]] = np.arange(num_tokens)
             packed[at["seq_lens"]][0] = num_tokens
             packed[at["cu_seqlens_q"]][1:] = num_tokens
         else:

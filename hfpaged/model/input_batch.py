@@ -263,7 +263,10 @@ class InputBatch:
 
 
 def _pad(positions, slot_mapping, seq_lens, cu_seqlens_q, num_real: int, num_reqs: int, num_pad_tokens: int) -> None:
-    """Padding sequences num_real.. own the last ``num_pad_tokens`` tokens: one each, the last of them the rest."""
+    """Padding sequences num_real.. own the last ``num_pad_tokens`` tokens: one each, the last of them the rest.
+    Every padding token sits at position 0: the kernels take a sequence's query positions from its lengths, and
+    a learned position table (GPT-2's) may hold fewer rows than a bucket's padding (an index past it is a
+    device-side assert on CUDA)."""
     num_pad_reqs = num_reqs - num_real
     if num_pad_tokens and num_pad_reqs < 1:
         raise ValueError(f"{num_pad_tokens} padding tokens need a padding sequence: {num_reqs} requests are all real")
@@ -275,8 +278,7 @@ def _pad(positions, slot_mapping, seq_lens, cu_seqlens_q, num_real: int, num_req
     cu_seqlens_q[num_real + 1 :] = first + np.cumsum(counts)
     seq_lens[num_real:] = counts
     slot_mapping[first:] = -1
-    owner = np.repeat(np.arange(num_pad_reqs), counts)
-    positions[first:] = np.arange(num_pad_tokens) - (np.cumsum(counts) - counts)[owner]
+    positions[first:] = 0
 
 
 @dataclass
