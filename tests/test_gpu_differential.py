@@ -12,7 +12,7 @@ import threading
 
 import pytest
 import torch
-from models import make_model
+from models import MORE_ARCHS, make_model, make_more_model
 from test_differential import assert_pool_free, case_entries, draw_case, stock_entry
 
 import hfpaged
@@ -25,7 +25,7 @@ _models: dict = {}
 
 def cuda_model_for(arch):
     if arch not in _models:
-        _models[arch] = make_model(arch, seed=5).cuda()
+        _models[arch] = (make_more_model if arch in MORE_ARCHS else make_model)(arch, seed=5).cuda()
     model = _models[arch]
     hfpaged.unpatch(model)
     return model
