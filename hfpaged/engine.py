@@ -25,7 +25,8 @@ from .core.scheduler import Scheduler
 from .core.scheduler_output import SchedulerOutput
 from .model.attach import PatchState, get_state, reallocate_caches, release_caches
 from .model.runner import ModelRunner
-from .model.tensor_parallel import TensorParallel, plain_settings, requests_fingerprint
+from .model.tensor_parallel import check_lockstep
+from .model.weights_version import moved_message, placement
 from .outputs import RequestOutput, progress_output
 from .prompts import PromptMaker, check_tokenizer
 from .sampling.sampler import StepResult
@@ -50,7 +51,10 @@ class EngineCore:
         self.prompts.in_use = self.scheduler.requests.__contains__  # generated ids skip the ids callers chose
         self.lock = threading.RLock()
         self.in_flight: tuple[SchedulerOutput, StepResult] | None = None  # launched, result not read yet
-        self.owners: dict[str, tuple[Client, Request]] = {}  # prompt id -> (client, its first request)
+        # prompt id -> (its client, held weakly, and its first request); a client dropped with prompts unfinished
+        # (an Engine handle let go) leaves their ids in ``orphans``: the next step (or sleep, stats) aborts them
+        self.owners: dict[str, tuple[weakref.ref[Client], Request]] = {}
+        self.orphans: deque[str] = deque()
         self.timings: dict[str, float] = defaultdict(float)  # host seconds per step phase, and "steps"
         self.num_overlapped_steps = 0  # steps whose result was read during the next step
         # overlapped steps whose tokens had landed before the host came to read them: the device finished the
@@ -133,17 +137,27 @@ class EngineCore:
     def add(self, request: Request, client: Client) -> None:
         """Queue a prompt's first request for ``client`` (call with the lock held)."""
         self.scheduler.add(request)
-        self.owners[request.request_id] = (client, request)
+        self.owners[request.request_id] = (weakref.ref(client), request)
+
+    def reap_orphans(self) -> None:
+        """Abort the unfinished prompts of clients dropped since (call with the lock held)."""
+        while self.orphans:
+            prompt_id = self.orphans.popleft()
+            if prompt_id in self.owners:
+                self.abort(prompt_id)
 
     def step_for_clients(self) -> None:
         """Run one step and hand every output to the client that owns its prompt (call with the lock held)."""
         finished = []
         owners = self.owners
+        self.reap_orphans()
         for output in self.step():
             owner = owners.get(output.prompt_id)
             if owner is None:
                 continue
-            client, root = owner
+            client, root = owner[0](), owner[1]
+            if client is None:  # dropped during the step: reaped by the next one
+                continue
             client.outbox.append(output)
             if output.finished and is_prompt_finished(root):
                 finished.append(output.prompt_id)  # after the loop: a beam search ends with several outputs
@@ -160,15 +174,18 @@ class EngineCore:
     def abort_everything(self) -> None:
         """Finish every prompt with reason "abort" and tell its caller (call with the lock held; ``unpatch``): a
         caller waiting on them (another thread, a suspended stream, an ``Engine`` handle) sees them end."""
-        for prompt_id, (client, root) in list(self.owners.items()):
+        for prompt_id, (client_ref, root) in list(self.owners.items()):
             self.abort(prompt_id)
-            client.outbox.extend(progress_output(member, 0) for member in root.members)
+            client = client_ref()
+            if client is not None:
+                client.outbox.extend(progress_output(member, 0) for member in root.members)
         for request_id in list(self.scheduler.requests):
             self.abort(request_id)
 
     def sleep(self) -> None:
         """Release the KV pool, CUDA graphs, compiled code and sampling tables; nothing may be running."""
         with self.lock:
+            self.reap_orphans()
             if self.has_unfinished():
                 raise RuntimeError(
                     f"cannot sleep while {len(self.scheduler.requests)} requests run on this model; "
@@ -191,6 +208,7 @@ class EngineCore:
     def sleep_if_idle(self) -> None:
         """``sleep`` when nothing runs (``EngineConfig.sleep_when_idle``: at the end of every call)."""
         with self.lock:
+            self.reap_orphans()
             if not self.has_unfinished():
                 self.sleep()
 
@@ -212,7 +230,9 @@ class EngineCore:
 
     def check_weights(self, model: PreTrainedModel) -> None:
         """Drop what the old weights computed if they changed since the last call: cached prefix blocks, and
-        (parameters in new storage, other PEFT adapters) the CUDA graphs and compiled code that baked them in.
+        (parameters in new storage, other PEFT adapters, forward hooks added or removed) the CUDA graphs and compiled
+        code that baked them in. Attention weights moved to another dtype or device than the pool's raise a
+        ``ValueError`` at every call until the model is patched again or moved back.
         Calibrated fp8 scales are computed again at the first step that starts with nothing running (the running
         requests' blocks hold K/V quantized with the old scales)."""
         state = self.state
@@ -226,6 +246,9 @@ class EngineCore:
                     state.recalibrate_when_idle = True
                 if rewired:
                     self.runner.drop_graphs()
+                    state.moved = moved_message(state.placement, placement(state.layers))  # e.g. model.to(dtype)
+        if state.moved:
+            raise ValueError(state.moved)
         if state.recalibrate_when_idle:
             with self.lock:
                 if not self.has_unfinished():  # fp8: new weights, new K/V ranges; no block holds old KV
@@ -237,29 +260,8 @@ def is_prompt_finished(root: Request) -> bool:
     return root.num_forks_pending == 0 and all(m.is_finished for m in root.members)
 
 
-def check_lockstep(tp: TensorParallel, requests: list[Request]) -> None:
-    """Tensor parallel: ValueError unless every rank submits the same requests now (nothing is queued then)."""
-    for request in requests:
-        if request.params.stop.max_time is not None:
-            raise ValueError(
-                "max_time cannot be used with a tensor-parallel model: each rank's clock would stop its "
-                "requests at a different step"
-            )
-    settings = [  # every setting that shapes a request's tokens: its generation config and its processors' data
-        (
-            p.max_length,
-            p.do_sample,
-            p.seed,
-            p.num_return_sequences,
-            p.num_beams,
-            p.top_logprobs,
-            sorted(p.eos_token_ids),
-        )
-        + plain_settings((p.generation_config.to_diff_dict(), [(s.kind.name, s.rank, s.payload) for s in p.stages]))
-        for p in (request.params for request in requests)
-    ]
-    fingerprint = requests_fingerprint([request.prompt_token_ids for request in requests], settings)
-    tp.check_same("requests", fingerprint, len(requests))
+def _orphaned(orphans: deque[str], prompts: dict[str, Request]) -> None:
+    orphans.extend(prompts)  # no lock here (a finalizer may run anywhere): the engine reaps them under its lock
 
 
 def engine_of(model: PreTrainedModel) -> EngineCore:
@@ -274,6 +276,8 @@ class Client:
         self.core = core
         self.outbox: deque[RequestOutput] = deque()
         self.prompts: dict[str, Request] = {}  # unfinished prompts submitted here, by id (first request)
+        # dropped with prompts unfinished: the engine aborts them (nobody could read or abort them any more)
+        weakref.finalize(self, _orphaned, core.orphans, self.prompts).atexit = False
 
     def submit(self, requests: list[Request]) -> None:
         with self.core.lock:

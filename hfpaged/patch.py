@@ -14,7 +14,8 @@ from .core.config import EngineConfig
 from .engine import EngineCore, engine_of
 from .generate import generate_many
 from .model.attach import attach, detach, get_state
-from .model.peft_compat import inner_model
+from .model.peft_compat import check_peft_model, inner_model
+from .model.weights_version import placement
 from .prompts import check_tokenizer
 from .streaming import astream_many, stream_many
 
@@ -46,7 +47,8 @@ def patch(
     """Give every attention layer of ``model`` a paged KV cache in one shared block pool; add ``generate_many``.
 
     Extra ``options`` are :class:`EngineConfig` fields (``attention_backend``, ``enforce_eager``, ...).
-    Patching again with the same settings only updates the tokenizer; other settings re-patch.
+    Patching again with the same settings only updates the tokenizer; other settings, or attention weights moved to
+    another dtype or device since (``model.to``), re-patch.
     """
     check_tokenizer(tokenizer)
     unknown = set(options) - EngineConfig.field_names()
@@ -60,10 +62,11 @@ def patch(
         max_num_batched_tokens=max_num_batched_tokens,
         **options,
     )
+    check_peft_model(model)
     target = inner_model(model)  # a PEFT model's inner transformers model (it reaches the rest through it)
     existing = getattr(target, "_hfpaged", None)
     if existing is not None:
-        if existing.config == config:
+        if existing.config == config and placement(existing.layers) == existing.placement:
             if tokenizer is not None:
                 existing.tokenizer = tokenizer
             return model
@@ -120,6 +123,7 @@ def stats(model: PreTrainedModel) -> dict[str, Any]:
     state = get_state(model)
     core = engine_of(model)
     with core.lock:
+        core.reap_orphans()  # prompts of dropped Engine handles do not count as running
         kv = core.kv
         return {
             "num_blocks": kv.num_blocks,

@@ -316,21 +316,21 @@ class PromptMaker:
         tokenizer = tokenizer if tokenizer is not None else state.tokenizer
         token_ids = to_token_ids(prompt, index, tokenizer)
         self._validate_tokens(token_ids, index)
-        seed = options.seed
-        if seed is None:  # tensor parallel: every rank draws the same seed
-            seed = state.tp.draw_seed() if state.tp is not None else int(torch.randint(0, 2**62, (1,)).item())
         params = make_request_params(
             self.model,
             resolved,
             token_ids,
             options,
-            seed=seed,
+            seed=options.seed if options.seed is not None else 0,
             index=index,
             vocab_size=state.vocab_size,
             tokenizer=tokenizer,
             stop_string_cache=self.stop_string_cache,
             device=state.input_device,
         )
+        if options.seed is None and params.do_sample:  # greedy and beams leave torch's RNG alone, as generate does
+            # tensor parallel: every rank draws the same seed
+            params.seed = state.tp.draw_seed() if state.tp is not None else int(torch.randint(0, 2**62, (1,)).item())
         self._validate_size(params.max_length, index, params.num_beams)
         long_rope, config = state.long_rope, params.generation_config
         if long_rope is not None and (why := long_rope.refusal(len(token_ids), params.max_length, config)):

@@ -189,3 +189,56 @@ def test_an_engine_on_the_peft_wrapper_sees_the_same_weights_as_generate_many(pe
     assert dropped == []
     state = peft_model.get_base_model()._hfpaged
     assert all(module is not peft_model.get_base_model() for module in state.weights.modules)
+
+
+def perturbed(model, marker, seed=1):
+    """``model`` with its adapter parameters (names holding ``marker``) moved off their neutral start."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if marker in name:
+                param.add_(torch.randn_like(param) * 0.8)
+    return model
+
+
+TUNERS = {  # PEFT tuners that adapt the layers themselves: (config, the marker of their parameters)
+    "ia3": (
+        lambda: peft.IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]),
+        "ia3_l",
+    ),
+    "loha": (lambda: peft.LoHaConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]), "hada_w"),
+    "lokr": (lambda: peft.LoKrConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]), "lokr_w"),
+    "vera": (lambda: peft.VeraConfig(r=8, target_modules=["q_proj", "v_proj"]), "vera_lambda"),
+    "adalora": (lambda: peft.AdaLoraConfig(r=4, target_modules=["q_proj", "v_proj"], total_step=10), "lora_"),
+}
+
+
+@pytest.mark.parametrize("tuner", list(TUNERS))
+def test_other_layer_tuners_generate_what_their_stock_generate_does(tuner):
+    make_config, marker = TUNERS[tuner]
+    model = perturbed(peft.get_peft_model(make_model("llama", seed=3), make_config()), marker)
+    prompts = random_prompts([5, 13, 21], seed=2)
+    expected = stock(model, prompts)
+    with model.disable_adapter():
+        assert stock(model, prompts) != expected  # the adapter matters
+    hfpaged.patch(model, num_blocks=48, block_size=4)
+    assert greedy(model, prompts) == expected
+    with model.disable_adapter():  # switched off between calls: the next call sees it
+        assert greedy(model, prompts) == stock(model, prompts)
+
+
+@pytest.mark.parametrize("kind", ["prompt_tuning", "p_tuning", "prefix_tuning"])
+def test_prompt_learning_adapters_are_refused_at_patch(kind):
+    """Their virtual tokens come from the PeftModel wrapper, which the paged steps do not run: served, they would
+    give the base model's tokens (found by a probe, session 30), so patch refuses them and attaches nothing."""
+    config = {
+        "prompt_tuning": lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+        "p_tuning": lambda: peft.PromptEncoderConfig(
+            task_type="CAUSAL_LM", num_virtual_tokens=4, encoder_hidden_size=32
+        ),
+        "prefix_tuning": lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+    }[kind]()
+    model = peft.get_peft_model(make_model("llama", seed=3), config)
+    with pytest.raises(ValueError, match=f"prompt-learning adapters \\({config.peft_type}\\)"):
+        hfpaged.patch(model, num_blocks=48, block_size=4)
+    assert not hasattr(model.get_base_model(), "_hfpaged") and not hasattr(model.get_base_model(), "generate_many")

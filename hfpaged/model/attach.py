@@ -37,67 +37,12 @@ from .kv_cache import (
 )
 from .kv_quant import cache_dtype, check_fp8_device, initial_scales
 from .long_rope import LongRope, find_long_rope
-from .peft_compat import adapter_layers, adapter_state, inner_model
 from .swap_space import SwapSpace, swap_blocks
 from .tensor_parallel import TensorParallel, find_tensor_parallel
 from .tp_local import LocalProjections, local_projections
+from .weights_version import WeightsVersion, placement
 
 logger = logging.getLogger("hfpaged")
-
-
-def _version(tensor: torch.Tensor) -> int:
-    """A tensor's version counter; -1 for an inference tensor, which has none (a RoPE buffer re-registered by a
-    forward under ``torch.inference_mode``: its storage still tells a new one apart)."""
-    return -1 if tensor.is_inference() else tensor._version
-
-
-class WeightsVersion:
-    """A cheap fingerprint of what a model computes: where each parameter lives, how often it (and each buffer) was
-    written in place, and (PEFT models) which adapters its layers apply. Writes through ``param.data`` bypass the
-    version counter: after them call ``hfpaged.reset_prefix_cache`` (README, "Changed weights").
-
-    The module tree is walked once; each check reads the parameters of the remembered modules directly and
-    the identity of every module's children, so a replaced or added submodule still counts as new storage
-    (and the tree is walked again). Parameters shared by several modules appear once per owner. The model
-    itself is not remembered (it owns this object: no reference cycle), only its submodules.
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        self.adapter_layers = adapter_layers(model)
-        self.modules = list(model.modules())[1:]
-        self.children = self._children(model)
-        self.storage, self.versions, self.adapters = self.read(model)
-
-    def _children(self, model: torch.nn.Module) -> tuple[int, ...]:
-        return tuple(id(child) for module in (model, *self.modules) for child in module._modules.values())
-
-    def read(self, model: torch.nn.Module) -> tuple[tuple[int, ...], tuple, tuple]:
-        modules = (model, *self.modules)
-        params = [p for module in modules for p in module._parameters.values() if p is not None]
-        # buffers (RoPE's inv_freq, ...): a change counts as new values (cached prefix blocks dropped), not as new
-        # storage - some RoPE variants re-register theirs in forward, and graphs must not be recaptured for that
-        buffers = [b for module in modules for b in module._buffers.values() if b is not None]
-        return (
-            tuple(p.data_ptr() for p in params),
-            tuple(p._version for p in params) + tuple((b.data_ptr(), _version(b)) for b in buffers),
-            adapter_state(self.adapter_layers),
-        )
-
-    def check(self, model: torch.nn.Module) -> tuple[bool, bool]:
-        """(changed at all, changed beyond values: new storage or other adapters) since the last check;
-        remembers the new fingerprint. A PEFT wrapper is read through the inner model it was built from."""
-        model = inner_model(model)
-        children = self._children(model)
-        tree_changed = children != self.children
-        if tree_changed:  # a submodule was replaced or added: walk the tree again
-            self.modules = list(model.modules())[1:]
-            self.adapter_layers = adapter_layers(model)
-            self.children = self._children(model)
-        storage, versions, adapters = self.read(model)
-        rewired = tree_changed or storage != self.storage or adapters != self.adapters
-        changed = rewired or versions != self.versions
-        self.storage, self.versions, self.adapters = storage, versions, adapters
-        return changed, rewired
 
 
 @dataclass
@@ -130,6 +75,8 @@ class PatchState:
     tp: TensorParallel | None = None  # the tensor-parallel group transformers sharded the model over
     local_tp: LocalProjections | None = None  # a sharded model's projections on local shards in the paged step
     long_rope: LongRope | None = None  # longrope rotary modules served past their short length (long_rope.py)
+    placement: tuple = ()  # the attention layers' weights' (dtype, device) at patch (weights_version.placement)
+    moved: str | None = None  # why the model cannot run now that its weights moved off that placement, if they did
 
     def block_bytes(self) -> dict[torch.device, int]:
         """Bytes one block takes on each device."""
@@ -288,6 +235,7 @@ def _attach(
         tp=tp,
         local_tp=projections,
         long_rope=long_rope,
+        placement=placement(layers),
     )
     if config.gemv or (config.gemv is None and state.dependent_launch):
         fused.enable_gemv(model, launch_pdl=state.dependent_launch)

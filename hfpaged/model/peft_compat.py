@@ -30,6 +30,21 @@ def inner_model(model: Any) -> Any:
     return model.get_base_model() if is_peft_model(model) else model
 
 
+def check_peft_model(model: Any) -> None:
+    """Refuse a PEFT model whose adapters are prompt learning (prompt tuning, P-tuning, prefix tuning): their virtual
+    tokens are added by the ``PeftModel`` wrapper around the transformers model, which hfpaged does not run (PEFT
+    keeps one kind of adapter per model, so the active one tells)."""
+    if not is_peft_model(model):
+        return
+    kinds = sorted({str(c.peft_type) for c in model.peft_config.values() if c.is_prompt_learning})
+    if kinds:
+        raise ValueError(
+            f"hfpaged cannot patch a PEFT model with prompt-learning adapters ({', '.join(kinds)}): their virtual "
+            "tokens come from the PeftModel wrapper, which generate_many would skip (other tokens than "
+            "PeftModel.generate). Adapters inside the layers (LoRA, DoRA, IA3, LoHa, LoKr, VeRA, AdaLoRA) are supported"
+        )
+
+
 def adapter_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules whose output depends on adapter settings (PEFT tuner layers); none for a plain model."""
     if "peft" not in sys.modules:

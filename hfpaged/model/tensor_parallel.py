@@ -19,10 +19,13 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from ..core.request import Request
 
 
 @dataclass
@@ -160,3 +163,28 @@ def requests_fingerprint(prompts: Sequence[Sequence[int]], settings: Sequence[tu
         digest.update(struct.pack(f"<q{len(token_ids)}q", len(token_ids), *token_ids))
         digest.update(repr(values).encode())
     return int.from_bytes(digest.digest(), "little") >> 1
+
+
+def check_lockstep(tp: TensorParallel, requests: list[Request]) -> None:
+    """Tensor parallel: ValueError unless every rank submits the same requests now (nothing is queued then)."""
+    for request in requests:
+        if request.params.stop.max_time is not None:
+            raise ValueError(
+                "max_time cannot be used with a tensor-parallel model: each rank's clock would stop its "
+                "requests at a different step"
+            )
+    settings = [  # every setting that shapes a request's tokens: its generation config and its processors' data
+        (
+            p.max_length,
+            p.do_sample,
+            p.seed,
+            p.num_return_sequences,
+            p.num_beams,
+            p.top_logprobs,
+            sorted(p.eos_token_ids),
+        )
+        + plain_settings((p.generation_config.to_diff_dict(), [(s.kind.name, s.rank, s.payload) for s in p.stages]))
+        for p in (request.params for request in requests)
+    ]
+    fingerprint = requests_fingerprint([request.prompt_token_ids for request in requests], settings)
+    tp.check_same("requests", fingerprint, len(requests))

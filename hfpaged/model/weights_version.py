@@ -1,0 +1,100 @@
+"""What a patched model computes, fingerprinted cheaply at every call (``WeightsVersion``: parameters' storage and
+in-place writes, buffers, PEFT adapter settings, forward hooks), and where its attention layers' weights live
+(``placement``: the KV pool and kernels were set up for their dtype and device)."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.modules import module as nn_module
+
+from .peft_compat import adapter_layers, adapter_state, inner_model
+
+
+def _version(tensor: torch.Tensor) -> int:
+    """A tensor's version counter; -1 for an inference tensor, which has none (a RoPE buffer re-registered by a
+    forward under ``torch.inference_mode``: its storage still tells a new one apart)."""
+    return -1 if tensor.is_inference() else tensor._version
+
+
+class WeightsVersion:
+    """A cheap fingerprint of what a model computes: where each parameter lives, how often it (and each buffer) was
+    written in place, (PEFT models) which adapters its layers apply, and which forward hooks its modules (or all
+    modules, torch's global hooks) run: a hook added or removed counts as new storage, as it changes what the
+    graphs captured and the cached prefix blocks hold. Writes through ``param.data`` bypass the
+    version counter: after them call ``hfpaged.reset_prefix_cache`` (README, "Changed weights").
+
+    The module tree is walked once; each check reads the parameters of the remembered modules directly and
+    the identity of every module's children, so a replaced or added submodule still counts as new storage
+    (and the tree is walked again). Parameters shared by several modules appear once per owner. The model
+    itself is not remembered (it owns this object: no reference cycle), only its submodules.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.adapter_layers = adapter_layers(model)
+        self.modules = list(model.modules())[1:]
+        self.children = self._children(model)
+        self.storage, self.versions, self.adapters = self.read(model)
+
+    def _children(self, model: torch.nn.Module) -> tuple[int, ...]:
+        return tuple(id(child) for module in (model, *self.modules) for child in module._modules.values())
+
+    def read(self, model: torch.nn.Module) -> tuple[tuple, tuple, tuple]:
+        modules = (model, *self.modules)
+        params = [p for module in modules for p in module._parameters.values() if p is not None]
+        # buffers (RoPE's inv_freq, ...): a change counts as new values (cached prefix blocks dropped), not as new
+        # storage - some RoPE variants re-register theirs in forward, and graphs must not be recaptured for that
+        buffers = [b for module in modules for b in module._buffers.values() if b is not None]
+        return (
+            (tuple(p.data_ptr() for p in params), _hooks(modules)),
+            tuple(p._version for p in params) + tuple((b.data_ptr(), _version(b)) for b in buffers),
+            adapter_state(self.adapter_layers),
+        )
+
+    def check(self, model: torch.nn.Module) -> tuple[bool, bool]:
+        """(changed at all, changed beyond values: new storage or other adapters) since the last check;
+        remembers the new fingerprint. A PEFT wrapper is read through the inner model it was built from."""
+        model = inner_model(model)
+        children = self._children(model)
+        tree_changed = children != self.children
+        if tree_changed:  # a submodule was replaced or added: walk the tree again
+            self.modules = list(model.modules())[1:]
+            self.adapter_layers = adapter_layers(model)
+            self.children = self._children(model)
+        storage, versions, adapters = self.read(model)
+        rewired = tree_changed or storage != self.storage or adapters != self.adapters
+        changed = rewired or versions != self.versions
+        self.storage, self.versions, self.adapters = storage, versions, adapters
+        return changed, rewired
+
+
+def _hooks(modules: tuple[torch.nn.Module, ...]) -> tuple:
+    """The forward (pre-)hooks of ``modules`` and torch's global ones, by handle id (a new registration, a new id)."""
+    local = tuple(
+        (i, tuple(m._forward_pre_hooks), tuple(m._forward_hooks))
+        for i, m in enumerate(modules)
+        if m._forward_pre_hooks or m._forward_hooks
+    )
+    return local, tuple(nn_module._global_forward_pre_hooks), tuple(nn_module._global_forward_hooks)
+
+
+def placement(layers) -> tuple:
+    """(dtype, device) of each attention layer's first floating-point parameter (``LayerRecord.module``; None
+    without one): what the KV pool and the attention kernels were set up for at ``patch``."""
+    out = []
+    for layer in layers:
+        param = next((p for p in layer.module.parameters() if p.is_floating_point()), None)
+        out.append(None if param is None else (param.dtype, param.device))
+    return tuple(out)
+
+
+def moved_message(was: tuple, now: tuple) -> str | None:
+    """Why a model whose attention weights were at ``was`` (``placement``) at patch cannot run now at ``now``."""
+    changed = sorted({(str(a), str(b)) for a, b in zip(was, now) if a != b})
+    if not changed:
+        return None
+    old, new = changed[0]
+    return (
+        f"the model's attention weights moved after hfpaged.patch (dtype, device {old} -> {new}, e.g. model.to(...)), "
+        "but its KV pool and attention kernels were set up for the old placement: call hfpaged.patch(model) again "
+        "(it patches anew for the new placement), or move the model back"
+    )

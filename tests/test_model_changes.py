@@ -1,0 +1,130 @@
+"""What users do to a patched model between calls, and what the next call makes of it: forward hooks registered or
+removed (seen, as changed weights are), attention weights moved to another dtype (refused until patched again or
+moved back), torch's random state (left alone by greedy and beam calls, as by stock ``generate``), and ``Engine``
+handles dropped with prompts running (aborted, their blocks freed). Each was found by a probe in session 30."""
+
+import pytest
+import torch
+from models import make_model, random_prompts, reference_generate
+
+import hfpaged
+
+NEW = 8
+
+
+def greedy(model, prompts):
+    return [r.token_ids for r in model.generate_many(prompts, max_new_tokens=NEW, do_sample=False)]
+
+
+def stock(model, prompts):
+    return reference_generate(model, prompts, max_new_tokens=NEW, do_sample=False)
+
+
+def assert_pool_free(model):
+    stats = hfpaged.stats(model)
+    assert stats["num_free_blocks"] == stats["num_blocks"] and stats["num_running_requests"] == 0, stats
+
+
+def scaled_output(module, args, output):
+    return output * 1.75
+
+
+def test_forward_hooks_registered_or_removed_between_calls_are_seen():
+    """A hook changes what the layers compute: blocks cached before it (the same prompts again hit them all but
+    the last token) must not serve the call after it, on a module or as torch's global module hook."""
+    model = make_model("llama", seed=3)
+    prompts = random_prompts([13, 21, 9], seed=2)
+    plain = stock(model, prompts)
+    hfpaged.patch(model, num_blocks=64, block_size=4)
+    assert greedy(model, prompts) == plain
+    mlp = model.model.layers[0].mlp
+    handle = mlp.register_forward_hook(scaled_output)
+    hooked = stock(model, prompts)
+    assert hooked != plain
+    assert greedy(model, prompts) == hooked
+    handle.remove()
+    assert greedy(model, prompts) == plain
+    pre = model.model.layers[1].register_forward_pre_hook(lambda module, args: (args[0] * 0.5, *args[1:]))
+    halved = stock(model, prompts)
+    assert halved != plain and greedy(model, prompts) == halved
+    pre.remove()
+    assert greedy(model, prompts) == plain
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, output: scaled_output(module, args, output) if module is mlp else None
+    )
+    try:
+        assert greedy(model, prompts) == hooked
+    finally:
+        handle.remove()
+    assert greedy(model, prompts) == plain
+    assert_pool_free(model)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_weights_moved_to_another_dtype_raise_until_patched_again_or_moved_back(backend):
+    """The pool and kernels were set up for float32: a float16 model must not run on them (the torch attention
+    rounded the stored K/V silently, the Triton kernels failed naming the cache's dtype)."""
+    model = make_model("llama", seed=4)
+    prompts = random_prompts([6, 11], seed=3)
+    expected = stock(model, prompts)
+    options = dict(num_blocks=48, block_size=4, attention_backend=backend)
+    hfpaged.patch(model, **options)
+    assert greedy(model, prompts) == expected
+    model.half()
+    for _ in range(2):  # every call until something changes, not only the one that noticed
+        with pytest.raises(ValueError, match=r"moved after hfpaged.patch \(dtype, device \(torch.float32"):
+            greedy(model, prompts)
+    assert_pool_free(model)
+    model.float()  # moved back: served again
+    assert greedy(model, prompts) == expected
+    model.half()
+    state = model._hfpaged
+    hfpaged.patch(model, **options)  # the same settings: patches anew for the new dtype, not a no-op
+    assert model._hfpaged is not state and hfpaged.stats(model)["kv_cache_dtype"] == "float16"
+    assert all(len(ids) == NEW for ids in greedy(model, prompts))
+    model.float()
+    with pytest.raises(ValueError, match=r"torch.float16.* -> .*torch.float32"):
+        greedy(model, prompts)
+    hfpaged.patch(model, **options)
+    assert greedy(model, prompts) == expected
+    assert_pool_free(model)
+
+
+def test_greedy_and_beam_calls_leave_torch_random_state_alone():
+    """As stock greedy generate: a seeded training loop around rollouts draws the same dropout masks and batches
+    with or without them. Unseeded sampling draws each request's seed from torch's generator."""
+    model = make_model("llama", seed=5)
+    prompts = random_prompts([7, 12], seed=4)
+    hfpaged.patch(model, num_blocks=48, block_size=4)
+    state = torch.random.get_rng_state()
+    stock(model, prompts)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    greedy(model, prompts)
+    model.generate_many(prompts, max_new_tokens=4, num_beams=2, do_sample=False)
+    list(model.stream_many(prompts, max_new_tokens=3, do_sample=False))
+    model.generate_many(prompts, max_new_tokens=3, do_sample=True, seed=11)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    model.generate_many(prompts, max_new_tokens=3, do_sample=True)
+    assert not torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_an_engine_handle_dropped_with_prompts_running_has_them_aborted():
+    model = make_model("llama", seed=6)
+    prompts = random_prompts([9, 14], seed=5)
+    expected = stock(model, prompts[1:])
+    hfpaged.patch(model, num_blocks=48, block_size=4)
+    dropped = hfpaged.Engine(model)
+    dropped.add_request(prompts[0], max_new_tokens=NEW, do_sample=False)
+    dropped.step()
+    kept = hfpaged.Engine(model)
+    kept_id = kept.add_request(prompts[1], max_new_tokens=NEW, do_sample=False)
+    del dropped  # nobody can read or abort its prompt now
+    stats = hfpaged.stats(model)
+    assert stats["num_running_requests"] + stats["num_waiting_requests"] == 1, stats
+    tokens = []
+    while kept.has_unfinished():
+        tokens += [t for o in kept.step() if o.prompt_id == kept_id for t in o.new_token_ids]
+    assert [tokens] == expected
+    assert_pool_free(model)
+    hfpaged.sleep(model)  # nothing runs: the pool can be handed back
+    assert hfpaged.stats(model)["asleep"]
