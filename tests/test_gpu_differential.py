@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 from models import MORE_ARCHS, make_model, make_more_model
+from test_architectures import EAGER_IN_FLOAT32
 from test_differential import assert_pool_free, case_entries, draw_case, stock_entry
 
 import hfpaged
@@ -70,7 +71,7 @@ def run_case(case, archs=None):
     groups = [[i for i, o in enumerate(owner) if o == k] for k in range(callers)]
     assert in_callers(model, entries, groups) == expected, c
     runner = model._hfpaged.engine.runner
-    assert runner.num_graph_steps > 0, c
+    assert (runner.num_graph_steps > 0) == (c["arch"] not in EAGER_IN_FLOAT32), c  # float32 MoE: eager
     assert_pool_free(model)
     # a weight changed in place after capture: the next call's greedy and beam requests get stock's new tokens
     weight = first_layer_weight(model)
