@@ -12,6 +12,11 @@ if not torch.cuda.is_available():
 
 CUDA = torch.cuda.is_available()
 
+# Under pytest-xdist (`-n 2`, the README's test command) each worker takes one core: two workers with two torch
+# threads each would oversubscribe a 2-core machine. Tests that start processes pass their own thread counts.
+if os.environ.get("PYTEST_XDIST_WORKER") and not CUDA:
+    torch.set_num_threads(1)
+
 
 # Without CUDA the kernels run in Triton's interpreter: skip its repeated per-launch lookups (fast_interpreter.py)
 fast_interpreter.install()

@@ -33,9 +33,37 @@ def test_forward_hooks_registered_or_removed_between_calls_are_seen():
     """A hook changes what the layers compute: blocks cached before it (the same prompts again hit them all but
     the last token) must not serve the call after it, on a module or as torch's global module hook."""
     model = make_model("llama", seed=3)
+    hfpaged.patch(model, num_blocks=64, block_size=4)
+    check_hooks(model)
+
+
+@pytest.mark.gpu
+def test_cuda_hooks_and_moved_weights_after_the_graphs_were_captured():
+    """The same on CUDA with default options: the graphs and compiled layers baked the hooks in (or not), so a hook
+    registered or removed recaptures them; a bf16 model moved to float32 (the probe's case) raises until patched
+    again, then equals stock float32."""
+    model = make_model("llama", seed=3).cuda()
+    hfpaged.patch(model)
+    check_hooks(model)
+    runner = model._hfpaged.engine.runner
+    assert runner.num_graph_steps > 0 and runner.num_eager_steps == 0
+    prompts = random_prompts([6, 11], seed=3)
+    expected = stock(model, prompts)
+    model.to(torch.bfloat16)
+    hfpaged.patch(model)
+    assert all(len(ids) == NEW for ids in greedy(model, prompts))
+    model.float()
+    with pytest.raises(ValueError, match=r"torch.bfloat16.* -> .*torch.float32"):
+        greedy(model, prompts)
+    hfpaged.patch(model)
+    assert greedy(model, prompts) == expected
+    assert model._hfpaged.engine.runner.num_graph_steps > 0
+
+
+def check_hooks(model):
+    """Hooks registered and removed on a patched ``model`` between calls: each call equals stock ``generate``."""
     prompts = random_prompts([13, 21, 9], seed=2)
     plain = stock(model, prompts)
-    hfpaged.patch(model, num_blocks=64, block_size=4)
     assert greedy(model, prompts) == plain
     mlp = model.model.layers[0].mlp
     handle = mlp.register_forward_hook(scaled_output)

@@ -239,6 +239,6 @@ def test_prompt_learning_adapters_are_refused_at_patch(kind):
         "prefix_tuning": lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
     }[kind]()
     model = peft.get_peft_model(make_model("llama", seed=3), config)
-    with pytest.raises(ValueError, match=f"prompt-learning adapters \\({config.peft_type}\\)"):
+    with pytest.raises(ValueError, match=f"prompt-learning adapters \\({config.peft_type.value}\\)"):
         hfpaged.patch(model, num_blocks=48, block_size=4)
     assert not hasattr(model.get_base_model(), "_hfpaged") and not hasattr(model.get_base_model(), "generate_many")

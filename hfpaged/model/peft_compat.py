@@ -36,7 +36,9 @@ def check_peft_model(model: Any) -> None:
     keeps one kind of adapter per model, so the active one tells)."""
     if not is_peft_model(model):
         return
-    kinds = sorted({str(c.peft_type) for c in model.peft_config.values() if c.is_prompt_learning})
+    kinds = sorted(
+        {str(getattr(c.peft_type, "value", c.peft_type)) for c in model.peft_config.values() if c.is_prompt_learning}
+    )
     if kinds:
         raise ValueError(
             f"hfpaged cannot patch a PEFT model with prompt-learning adapters ({', '.join(kinds)}): their virtual "
