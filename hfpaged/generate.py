@@ -71,7 +71,7 @@ def prepare(
     """A client on the model's engine and the validated requests of a call (not queued yet); the tokenizer."""
     core = engine_of(model)
     kwargs = dict(kwargs)
-    prompts = prompt_list(prompts, kwargs, model.generation_config.pad_token_id)
+    prompts = prompt_list(prompts, kwargs)
     core.check_weights(model)
     check_tokenizer(tokenizer)
     tokenizer = tokenizer if tokenizer is not None else core.state.tokenizer

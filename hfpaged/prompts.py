@@ -30,6 +30,8 @@ from .sampling.params import (
     CallOptions,
     ResolvedConfig,
     ResolvedConfigCache,
+    UnpaddedIds,
+    check_pad_tokens,
     is_int,
     make_request_params,
     prompt_name,
@@ -80,10 +82,10 @@ def _is_int_array(value: Any) -> bool:
     return isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.integer)
 
 
-def prompt_list(prompts: Any, kwargs: dict[str, Any], pad_token_id: int | None) -> list[Any]:
+def prompt_list(prompts: Any, kwargs: dict[str, Any]) -> list[Any]:
     """``prompts`` as a list of single prompts. A 2-D integer tensor/array is a batch of rows: an
     ``attention_mask`` in ``kwargs`` (popped) strips their padding; without one, a row holding the pad token
-    is refused (it would be read as part of the prompt)."""
+    is refused as any prompt is (``check_pad_tokens``: generate would mask it out)."""
     if isinstance(prompts, (torch.Tensor, np.ndarray)):
         if not _is_int_array(prompts):
             raise TypeError(
@@ -115,15 +117,8 @@ def prompt_list(prompts: Any, kwargs: dict[str, Any], pad_token_id: int | None) 
                     "masked position and generates from each row's remaining tokens; pad on the left to match generate",
                     stacklevel=3,
                 )
-            return [[t for t, keep in zip(row, keep_row) if keep] for row, keep_row in zip(rows, keeps)]
-        if pad_token_id is not None:
-            padded = [i for i, row in enumerate(rows) if pad_token_id in row]
-            if padded:
-                raise ValueError(
-                    f"prompt rows {padded} contain the pad token id {pad_token_id}; pass attention_mask= to mark "
-                    "padding (as generate needs), or give the prompts as a list of unpadded token-id lists"
-                )
-        return rows
+            return [UnpaddedIds(t for t, keep in zip(row, keep_row) if keep) for row, keep_row in zip(rows, keeps)]
+        return rows  # rows holding the pad token: refused per prompt (check_pad_tokens), as lists are
     if isinstance(prompts, (str, dict)):
         raise ValueError("prompts must be a list of prompts (strings, token-id lists or dicts), not a single prompt")
     if not isinstance(prompts, (list, tuple)) and not hasattr(prompts, "__iter__"):
@@ -316,6 +311,8 @@ class PromptMaker:
         tokenizer = tokenizer if tokenizer is not None else state.tokenizer
         token_ids = to_token_ids(prompt, index, tokenizer)
         self._validate_tokens(token_ids, index)
+        if not isinstance(prompt, UnpaddedIds):
+            check_pad_tokens(token_ids, resolved.generation_config, index)
         params = make_request_params(
             self.model,
             resolved,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from models import make_model, random_prompts, reference_generate
-from transformers import LogitsProcessor, TextStreamer
+from transformers import GenerationConfig, LogitsProcessor, TextStreamer
 
 import hfpaged
 from hfpaged.sampling.sampler import StepResult
@@ -143,8 +143,8 @@ def test_a_failed_step_does_not_cost_another_caller_its_requests(model, monkeypa
 # --- weights that change after patch -----------------------------------------------------------------
 
 
-def stock(m, prompts):
-    return reference_generate(m, prompts, max_new_tokens=8, do_sample=False)
+def stock(m, prompts, **settings):
+    return reference_generate(m, prompts, max_new_tokens=8, do_sample=False, **settings)
 
 
 def test_load_state_dict_after_patch_drops_the_stale_prefix_cache(model):
@@ -347,7 +347,7 @@ def test_a_padded_2d_batch_needs_its_attention_mask(model):
     prompts = random_prompts([3, 6], seed=11)
     batch = torch.tensor([[0, 0, 0] + prompts[0], prompts[1]])
     mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1] * 6])
-    with pytest.raises(ValueError, match=r"prompt rows \[0\] contain the pad token id 0; pass attention_mask="):
+    with pytest.raises(ValueError, match=r"prompt 0 holds the pad token id 0 at positions \[0, 1, 2\]: generate would"):
         model.generate_many(batch, max_new_tokens=8, do_sample=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # left padding, as generate wants it: no warning
@@ -357,6 +357,41 @@ def test_a_padded_2d_batch_needs_its_attention_mask(model):
     with pytest.warns(UserWarning, match="padding after tokens"):
         got = model.generate_many(right, attention_mask=mask.flip(1), max_new_tokens=8, do_sample=False)
     assert [r.token_ids for r in got] == stock(model, prompts)  # each row unpadded (generate would differ)
+    assert all_free(model)
+
+
+def test_prompts_holding_the_pad_token_are_refused_where_generate_would_mask_them(model):
+    """Without an attention mask generate masks every position holding pad_token_id (when it is set and is not an
+    eos id); generate_many would attend to them, so it refuses them, wherever the pad id comes from (the model's
+    config, a call's keyword or its GenerationConfig: found by a probe in session 30, when only the model's config
+    was read and a per-call pad id gave other tokens silently), and for lists and 1-D tensors as for 2-D rows."""
+    model.generation_config.pad_token_id = None
+    prompts = random_prompts([5, 7], seed=13)
+    padded = [[0, 0] + prompts[0], prompts[1][:3] + [0] + prompts[1][3:]]
+    refused = r"prompt 0 holds the pad token id 0 at positions \[0, 1\]"
+    with pytest.raises(ValueError, match=refused):
+        model.generate_many(torch.tensor([padded[0], prompts[1][:4] + [9, 9, 9]]), pad_token_id=0, max_new_tokens=4)
+    with pytest.raises(ValueError, match=refused):
+        model.generate_many(padded, generation_config=GenerationConfig(pad_token_id=0, max_new_tokens=4))
+    with pytest.raises(ValueError, match=r"prompt 0 holds the pad token id 0 at positions \[3\]"):
+        model.generate_many([torch.tensor(padded[1])], pad_token_id=0, max_new_tokens=4)
+    assert all_free(model)
+    # pad_token_id None (generate then pads with eos and infers no mask), or a pad id that is an eos: read as tokens
+    model.generation_config.pad_token_id = 0
+    for settings in (dict(pad_token_id=None), dict(eos_token_id=[0, 1])):
+        expected = stock(model, padded, **settings)
+        got = model.generate_many(padded, max_new_tokens=8, do_sample=False, **settings)
+        assert [r.token_ids for r in got] == expected, settings
+    # rows whose padding an attention_mask removed keep a real token equal to the pad id, as generate does
+    row, mask = [0, 0, 0, 11, 0, 12], [0, 0, 0, 1, 1, 1]
+    with torch.no_grad():
+        want = model.generate(
+            torch.tensor([row]), attention_mask=torch.tensor([mask]), max_new_tokens=8, do_sample=False
+        )
+    got = model.generate_many(
+        torch.tensor([row]), attention_mask=torch.tensor([mask]), max_new_tokens=8, do_sample=False
+    )
+    assert got[0].token_ids == want[0, len(row) :].tolist() and got[0].prompt_token_ids == [11, 0, 12]
     assert all_free(model)
 
 
