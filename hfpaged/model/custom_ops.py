@@ -222,7 +222,15 @@ def compile_regions(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list
         for child in parent.children()
         if id(child) not in listed and not isinstance(child, _NOT_COMPILED) and id(child) not in blocks
     ]
-    return list(blocks.values()), others
+    # a region with forward hooks on a module inside runs eagerly: identical layers share one compiled graph, and
+    # dynamo neither guards on submodule hooks nor tells layers apart by them (a hook on one layer's MLP was
+    # dropped from the compiled graph, or would be applied to every layer); hooks on the region itself run
+    # outside its compiled forward (Module.__call__)
+    return [b for b in blocks.values() if not _inner_hooks(b)], [m for m in others if not _inner_hooks(m)]
+
+
+def _inner_hooks(region: torch.nn.Module) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in region.modules() if m is not region)
 
 
 def _mark_caches_static(model: torch.nn.Module) -> None:

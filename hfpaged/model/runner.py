@@ -33,6 +33,7 @@ from .input_batch import DeviceStep, HostStep, InputBatch, device_views, padded_
 from .kv_quant import as_bytes, calibration_step
 from .long_rope import long_rope_step
 from .tp_local import local_step
+from .weights_version import global_module_hooks
 
 if TYPE_CHECKING:
     from .attach import PatchState
@@ -257,7 +258,7 @@ class ModelRunner:
         """The forward a CUDA graph captures: decode (every row sampled) or mixed (``step.logits_indices``), with
         compiled layers unless compile is off."""
         eager_keep = None if mixed else 0  # 0: every token of a decode batch is sampled
-        if not self.compile:
+        if not self.compile or global_module_hooks():  # a global hook runs in every module: layers stay eager
             return self.forward(step, logits_indices=eager_keep)
         if self._compiled is None:
             self._compiled = self._compile_step_forward()

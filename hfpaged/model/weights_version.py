@@ -77,6 +77,11 @@ def _hooks(modules: tuple[torch.nn.Module, ...]) -> tuple:
     return local, tuple(nn_module._global_forward_pre_hooks), tuple(nn_module._global_forward_hooks)
 
 
+def global_module_hooks() -> bool:
+    """Whether torch's global module forward hooks are set (they run in every module: graphs then use eager layers)."""
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
+
+
 def placement(layers) -> tuple:
     """(dtype, device) of each attention layer's first floating-point parameter (``LayerRecord.module``; None
     without one): what the KV pool and the attention kernels were set up for at ``patch``."""
