@@ -12,7 +12,8 @@ from transformers import GenerationConfig, PreTrainedModel
 from .core.request import Request
 from .engine import Client, engine_of
 from .outputs import GenerationResult, SequenceOutput
-from .prompts import check_tokenizer, prompt_list
+from .prompt_forms import prompt_list
+from .prompts import check_tokenizer
 
 
 def _sequences(request: Request, tokenizer: Any) -> list[SequenceOutput]:

@@ -12,26 +12,23 @@ in the call. Settings that are not GenerationConfig fields are ``CallOptions``.
 from __future__ import annotations
 
 import itertools
-import warnings
 import weakref
 from collections.abc import Callable, Container
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from .core.block_pool import cdiv
 from .core.request import Request, RequestGroup
 from .model import hf_compat
+from .prompt_forms import UnpaddedIds, check_pad_tokens, naming_prompt, to_token_ids
 from .sampling.beam_search import BeamSearch
 from .sampling.params import (
     CallOptions,
     ResolvedConfig,
     ResolvedConfigCache,
-    UnpaddedIds,
-    check_pad_tokens,
     is_int,
     make_request_params,
     prompt_name,
@@ -76,95 +73,10 @@ def split_call_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str
 # --- the prompt list ---------------------------------------------------------------------------------
 
 
-def _is_int_array(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return not value.is_floating_point() and not value.is_complex() and value.dtype is not torch.bool
-    return isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.integer)
-
-
-def prompt_list(prompts: Any, kwargs: dict[str, Any]) -> list[Any]:
-    """``prompts`` as a list of single prompts. A 2-D integer tensor/array is a batch of rows: an
-    ``attention_mask`` in ``kwargs`` (popped) strips their padding; without one, a row holding the pad token
-    is refused as any prompt is (``check_pad_tokens``: generate would mask it out)."""
-    if isinstance(prompts, (torch.Tensor, np.ndarray)):
-        if not _is_int_array(prompts):
-            raise TypeError(
-                f"prompts is a {type(prompts).__name__} of dtype {prompts.dtype}; token ids must be integers"
-            )
-        if prompts.ndim == 1:
-            raise ValueError(
-                "prompts must be a list of prompts (strings, token-id lists or dicts), not a single prompt"
-            )
-        if prompts.ndim != 2:
-            raise ValueError(
-                f"prompts is a {prompts.ndim}-D {type(prompts).__name__} of shape {tuple(prompts.shape)}; give a list of "
-                "prompts, or a 2-D [batch, length] tensor of token ids (one prompt per row)"
-            )
-        rows = torch.as_tensor(prompts).cpu().tolist()
-        mask = kwargs.pop("attention_mask", None)
-        if mask is not None:
-            mask = torch.as_tensor(mask).cpu()
-            if tuple(mask.shape) != tuple(prompts.shape):
-                raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but prompts has {tuple(prompts.shape)}")
-            if not bool(((mask == 0) | (mask == 1)).all()):
-                raise ValueError(
-                    f"attention_mask must hold 0 (padding) and 1 (token) only, got {mask.unique().tolist()}"
-                )
-            keeps = mask.tolist()
-            if any(0 in keep_row[keep_row.index(1) :] for keep_row in keeps if 1 in keep_row):
-                warnings.warn(  # generate would attend over the gaps and give other tokens; here each row is unpadded
-                    "attention_mask has padding after tokens (right or inner padding): generate_many drops every "
-                    "masked position and generates from each row's remaining tokens; pad on the left to match generate",
-                    stacklevel=3,
-                )
-            return [UnpaddedIds(t for t, keep in zip(row, keep_row) if keep) for row, keep_row in zip(rows, keeps)]
-        return rows  # rows holding the pad token: refused per prompt (check_pad_tokens), as lists are
-    if isinstance(prompts, (str, dict)):
-        raise ValueError("prompts must be a list of prompts (strings, token-id lists or dicts), not a single prompt")
-    if not isinstance(prompts, (list, tuple)) and not hasattr(prompts, "__iter__"):
-        raise TypeError(
-            "prompts must be a list of prompts (strings, token-id lists or dicts) or a 2-D tensor of token ids, "
-            f"got {type(prompts).__name__}"
-        )
-    prompts = list(prompts)
-    if prompts and isinstance(prompts[0], (int, np.integer)) and not isinstance(prompts[0], bool):
-        raise ValueError("prompts must be a list of prompts (strings, token-id lists or dicts), not a single prompt")
-    return prompts
-
-
 def check_tokenizer(tokenizer: Any) -> None:
     """TypeError unless ``tokenizer`` is None or has ``decode`` (results and streams are decoded with it)."""
     if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
         raise TypeError(f"tokenizer must be a transformers tokenizer (with decode()), got {type(tokenizer).__name__}")
-
-
-def to_token_ids(prompt: Any, index: int | None, tokenizer: Any) -> list[int]:
-    """One prompt as a list of token ids (a string goes through the tokenizer)."""
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError(
-                f"{prompt_name(index)} is a string but no tokenizer is known; pass tokenizer= to generate_many or patch, "
-                "or give token-id lists"
-            )
-        return list(tokenizer(prompt)["input_ids"])
-    if isinstance(prompt, (torch.Tensor, np.ndarray)):
-        if not _is_int_array(prompt):
-            raise TypeError(
-                f"{prompt_name(index)} is a {type(prompt).__name__} of dtype {prompt.dtype}; token ids must be integers"
-            )
-        if prompt.ndim == 2 and prompt.shape[0] == 1:
-            prompt = prompt[0]
-        if prompt.ndim != 1:
-            raise ValueError(
-                f"{prompt_name(index)} has shape {tuple(prompt.shape)}; a prompt is 1-D token ids (pass a 2-D tensor as the "
-                "prompts argument itself for a batch of rows)"
-            )
-        return [int(t) for t in prompt.tolist()]
-    if isinstance(prompt, (list, tuple)):
-        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
-            raise ValueError(f"{prompt_name(index)} must be a string or a list of int token ids")
-        return [int(t) for t in prompt]
-    raise TypeError(f"{prompt_name(index)} has unsupported type {type(prompt).__name__}; give a string or token ids")
 
 
 @dataclass
@@ -210,12 +122,14 @@ def expand_prompts(
         options = {**call_options, **own_options}
         if "seed" not in own_options and base_seed is not None:
             options["seed"] = (base_seed + index) % 2**62
+        with naming_prompt(index, bool(own_options)):
+            call_options_of_prompt = CallOptions(**options)
         specs.append(
             PromptSpec(
                 prompt=prompt,
                 generation_config=config,
                 generate_kwargs={**call_kwargs, **own_kwargs},
-                options=CallOptions(**options),
+                options=call_options_of_prompt,
                 has_own_settings=bool(own_kwargs),
             )
         )
@@ -258,18 +172,10 @@ class PromptMaker:
         specs = expand_prompts(prompts, generation_config, kwargs)
         resolved_by_config: dict[int, ResolvedConfig] = {}
         requests, longest = [], {}
+        own = [isinstance(p, dict) or isinstance(generation_config, (list, tuple)) for p in prompts]
         for index, spec in enumerate(specs):
-            if spec.has_own_settings:  # through the cache: prompts often differ only in a number (max_new_tokens)
-                resolved = self.resolved_configs.resolve(self.model, spec.generation_config, dict(spec.generate_kwargs))
-                key = ("own", index)
-            else:  # resolve once per distinct config among prompts that only use the call's arguments
-                key = id(spec.generation_config)
-                if key not in resolved_by_config:
-                    resolved_by_config[key] = resolve_generation_config(
-                        self.model, spec.generation_config, dict(spec.generate_kwargs)
-                    )
-                resolved = resolved_by_config[key]
-            request = self.make(spec.prompt, resolved, spec.options, tokenizer, index=index)
+            with naming_prompt(index, own[index]):
+                request, key, resolved = self._make_spec(spec, index, resolved_by_config, tokenizer)
             requests.append(request)
             if key not in longest or request.num_prompt_tokens > longest[key][0].num_prompt_tokens:
                 longest[key] = (request, resolved)
@@ -278,6 +184,20 @@ class PromptMaker:
         for request, resolved in longest.values():
             _warn_about_lengths(self.model, request, resolved)
         return requests
+
+    def _make_spec(self, spec: PromptSpec, index: int, resolved_by_config: dict, tokenizer: Any) -> tuple:
+        """(request, key of its merged config, the merged config) of one prompt of a call."""
+        if spec.has_own_settings:  # through the cache: prompts often differ only in a number (max_new_tokens)
+            resolved = self.resolved_configs.resolve(self.model, spec.generation_config, dict(spec.generate_kwargs))
+            key: Any = ("own", index)
+        else:  # resolve once per distinct config among prompts that only use the call's arguments
+            key = id(spec.generation_config)
+            if key not in resolved_by_config:
+                resolved_by_config[key] = resolve_generation_config(
+                    self.model, spec.generation_config, dict(spec.generate_kwargs)
+                )
+            resolved = resolved_by_config[key]
+        return self.make(spec.prompt, resolved, spec.options, tokenizer, index=index), key, resolved
 
     def make_one(
         self,

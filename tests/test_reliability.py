@@ -395,6 +395,27 @@ def test_prompts_holding_the_pad_token_are_refused_where_generate_would_mask_the
     assert all_free(model)
 
 
+def test_a_prompts_own_bad_settings_name_the_prompt(model):
+    """Settings given to one prompt (a dict prompt, a list of configs) name it in the error; the call's own settings
+    name only the argument (they are every prompt's). Nothing runs either way."""
+    prompts = random_prompts([4, 5], seed=14)
+    cases = [
+        ([prompts[0], {"prompt": prompts[1], "temperature": "hot", "do_sample": True}], {}, "prompt 1: temperature"),
+        ([prompts[0], {"prompt": prompts[1], "max_new_tokens": -2}], {}, "prompt 1: .*max_new_tokens"),
+        ([prompts[0], {"prompt": prompts[1], "top_logprobs": -1}], {}, "prompt 1: top_logprobs"),
+        (
+            prompts,
+            {"generation_config": [GenerationConfig(), GenerationConfig(top_p=2.0, do_sample=True)]},
+            "prompt 1: top_p",
+        ),
+        (prompts, {"top_k": -3, "do_sample": True}, "^top_k must be"),
+    ]
+    for entries, settings, message in cases:
+        with pytest.raises(ValueError, match=message):
+            model.generate_many(entries, **{"max_new_tokens": 3, **settings})
+    assert all_free(model)
+
+
 def test_min_new_tokens_beyond_max_new_tokens_warns_as_generate_does(model):
     prompt = random_prompts([5], seed=12)
     with pytest.warns(UserWarning, match="Unfeasible length constraints: `min_new_tokens` \\(9\\)") as stock_warnings:

@@ -316,29 +316,6 @@ def _check_supported(config: GenerationConfig) -> None:
             raise ValueError(f"{name} must be {kind} (token ids), got {value!r}")
 
 
-class UnpaddedIds(list):
-    """A prompt's token ids whose padding an ``attention_mask`` already removed: ``generate`` infers no padding from
-    the pad token when a mask is given, so neither does ``check_pad_tokens``."""
-
-
-def check_pad_tokens(token_ids: list[int], config: GenerationConfig, index: int | None) -> None:
-    """ValueError where ``generate`` would mask positions of this prompt out by itself: without an attention mask it
-    masks every position holding ``pad_token_id`` when that is set and is not an eos token id (transformers'
-    ``_prepare_attention_mask_for_generation``); generate_many would read them as prompt tokens."""
-    pad = config.pad_token_id
-    if pad is None or pad not in token_ids:
-        return
-    eos = config.eos_token_id
-    if pad in (eos if isinstance(eos, (list, tuple)) else [eos]):
-        return
-    positions = [i for i, t in enumerate(token_ids) if t == pad]
-    raise ValueError(
-        f"{prompt_name(index)} holds the pad token id {pad} at positions {positions[:8]}: generate would mask those "
-        "positions out (its pad_token_id is set and is not an eos token id), generate_many would attend to them. "
-        "Give the prompt without them, a 2-D batch with attention_mask=, or pad_token_id=None to keep them"
-    )
-
-
 def _is_token_ids(value: object, allow_list: bool) -> bool:
     if isinstance(value, torch.Tensor):  # generate takes tensors too
         return not value.is_floating_point() and not value.is_complex() and (allow_list or value.numel() == 1)
