@@ -363,7 +363,7 @@ def test_several_front_ends_never_join_a_port_another_server_listens_on():
     try:
         port = first[0].getsockname()[1]
         for count in (1, 2):
-            with pytest.raises(OSError):
+            with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}: the address is in use"):
                 for sock in listening_sockets("127.0.0.1", port, count):
                     sock.close()
     finally:
@@ -373,6 +373,22 @@ def test_several_front_ends_never_join_a_port_another_server_listens_on():
     assert [sock.getsockname()[1] for sock in again] == [port, port]
     for sock in again:
         sock.close()
+
+
+def test_the_cli_reports_a_port_in_use_in_one_line(monkeypatch, capsys):
+    import errno
+
+    from hfpaged.serve import cli
+
+    def taken(args):
+        raise OSError(errno.EADDRINUSE, "cannot listen on 127.0.0.1:8011: the address is in use (another server?)")
+
+    monkeypatch.setattr(cli, "serve_command", taken)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--demo", "--port", "8011"])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err == "hfpaged serve: cannot listen on 127.0.0.1:8011: the address is in use (another server?)\n"
 
 
 def test_a_front_end_that_cannot_start_leaves_no_process_socket_or_metrics_dir(model, tokenizer, monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import logging
 import sys
@@ -177,7 +178,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
-        serve_command(args)
+        try:
+            serve_command(args)
+        except OSError as error:
+            if error.errno != errno.EADDRINUSE:
+                raise
+            parser.exit(1, f"hfpaged serve: {error.strerror}\n")  # one line, not a traceback
 
 
 if __name__ == "__main__":

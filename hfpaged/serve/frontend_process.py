@@ -22,6 +22,7 @@ empty), so a burst of clients lands on one front end. Elsewhere they do share on
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -53,7 +54,18 @@ main(int(sys.argv[2]))
 
 def listening_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     """``count`` listening TCP sockets on ``host:port`` (port 0: a free one, the same for all), one per front end
-    (``SO_REUSEPORT``, Linux); one socket for all where that is not available or ``count`` is 1."""
+    (``SO_REUSEPORT``, Linux); one socket for all where that is not available or ``count`` is 1. A port in use is
+    an ``OSError`` (``EADDRINUSE``) naming it."""
+    try:
+        return _listening_sockets(host, port, count)
+    except OSError as error:
+        if error.errno != errno.EADDRINUSE:
+            raise
+        message = f"cannot listen on {host}:{port}: the address is in use (another server?)"
+        raise OSError(error.errno, message) from None
+
+
+def _listening_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     reuse_port = count > 1 and sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
     sockets: list[socket.socket] = []
