@@ -8,12 +8,12 @@ Greedy and beam outputs must equal stock ``generate`` (float32), seeded samples 
 """
 
 import random
-import threading
 
 import pytest
 import torch
 from models import MORE_ARCHS, make_model, make_more_model
 from test_architectures import EAGER_IN_FLOAT32
+from test_concurrency import run_threads
 from test_differential import assert_pool_free, case_entries, draw_case, stock_entry
 
 import hfpaged
@@ -40,23 +40,15 @@ def first_layer_weight(model):
 def in_callers(model, entries, groups):
     """``generate_many`` from one thread per group of entry indices, all at once: each entry's sequences."""
     got: list = [None] * len(entries)
-    errors: list = []
 
     def caller(indices):
-        try:
+        def run():
             for i, r in zip(indices, model.generate_many([entries[i] for i in indices])):
                 got[i] = [s.token_ids for s in r.sequences]
-        except BaseException as e:  # re-raised in the test's thread
-            errors.append(e)
 
-    threads = [threading.Thread(target=caller, args=(g,)) for g in groups if g]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
-    assert not any(t.is_alive() for t in threads), "a caller hung"
-    if errors:
-        raise errors[0]
+        return run
+
+    run_threads(*(caller(g) for g in groups if g))
     return got
 
 
