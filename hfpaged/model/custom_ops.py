@@ -32,6 +32,8 @@ from contextlib import contextmanager
 import torch
 from torch.fx.experimental import _config as fx_config
 
+from .weights_version import has_forward_hooks
+
 _registered = False
 _sizes_lock = threading.RLock()  # one compiled forward at a time sets and restores dynamo's duck sizing
 
@@ -230,7 +232,7 @@ def compile_regions(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list
 
 
 def _inner_hooks(region: torch.nn.Module) -> bool:
-    return any(m._forward_hooks or m._forward_pre_hooks for m in region.modules() if m is not region)
+    return any(has_forward_hooks(m) for m in region.modules() if m is not region)
 
 
 def _mark_caches_static(model: torch.nn.Module) -> None:

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from .tp_local import COL, LocalProjections, local
+from .weights_version import has_forward_hooks
 
 logger = logging.getLogger("hfpaged")
 
@@ -72,7 +73,7 @@ def _can_fuse(members: list[torch.nn.Linear], tp: LocalProjections | None = None
         return False
     if len({id(p) for p in _params(members)}) != len(_params(members)):
         return False
-    if any(m._forward_hooks or m._forward_pre_hooks for m in members):  # e.g. offload hooks
+    if any(has_forward_hooks(m) for m in members):  # e.g. offload hooks
         return False
     first = _params(members)[0]
     if any((m.bias is None) != (members[0].bias is None) for m in members):
@@ -297,7 +298,7 @@ def _single_ok(module: torch.nn.Module) -> bool:
     """A plain Linear without hooks whose weight (and bias) the GEMV takes."""
     from ..kernels.gemv import gemv_supports
 
-    if not _plain_linear(module) or module._forward_hooks or module._forward_pre_hooks:
+    if not _plain_linear(module) or has_forward_hooks(module):
         return False
     return gemv_supports(module.weight, module.bias)
 

@@ -67,12 +67,15 @@ class WeightsVersion:
         return changed, rewired
 
 
+def has_forward_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has forward hooks or forward pre-hooks of its own."""
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
 def _hooks(modules: tuple[torch.nn.Module, ...]) -> tuple:
     """The forward (pre-)hooks of ``modules`` and torch's global ones, by handle id (a new registration, a new id)."""
     local = tuple(
-        (i, tuple(m._forward_pre_hooks), tuple(m._forward_hooks))
-        for i, m in enumerate(modules)
-        if m._forward_pre_hooks or m._forward_hooks
+        (i, tuple(m._forward_pre_hooks), tuple(m._forward_hooks)) for i, m in enumerate(modules) if has_forward_hooks(m)
     )
     return local, tuple(nn_module._global_forward_pre_hooks), tuple(nn_module._global_forward_hooks)
 
