@@ -101,7 +101,9 @@ def test_weights_moved_to_another_dtype_raise_until_patched_again_or_moved_back(
     assert greedy(model, prompts) == expected
     model.half()
     for _ in range(2):  # every call until something changes, not only the one that noticed
-        with pytest.raises(ValueError, match=r"moved after hfpaged.patch \(dtype, device \(torch.float32"):
+        with pytest.raises(
+            ValueError, match=r"moved after hfpaged.patch \(torch.float32 on cpu -> torch.float16 on cpu, "
+        ):
             greedy(model, prompts)
     assert_pool_free(model)
     model.float()  # moved back: served again

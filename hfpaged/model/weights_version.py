@@ -97,12 +97,16 @@ def placement(layers) -> tuple:
 
 def moved_message(was: tuple, now: tuple) -> str | None:
     """Why a model whose attention weights were at ``was`` (``placement``) at patch cannot run now at ``now``."""
-    changed = sorted({(str(a), str(b)) for a, b in zip(was, now) if a != b})
+    changed = sorted({(_where(a), _where(b)) for a, b in zip(was, now) if a != b})
     if not changed:
         return None
     old, new = changed[0]
     return (
-        f"the model's attention weights moved after hfpaged.patch (dtype, device {old} -> {new}, e.g. model.to(...)), "
+        f"the model's attention weights moved after hfpaged.patch ({old} -> {new}, e.g. model.to(...)), "
         "but its KV pool and attention kernels were set up for the old placement: call hfpaged.patch(model) again "
         "(it patches anew for the new placement), or move the model back"
     )
+
+
+def _where(place: tuple | None) -> str:
+    return "no floating-point weights" if place is None else f"{place[0]} on {place[1]}"
