@@ -193,6 +193,26 @@ def test_a_replaced_parameter_or_submodule_is_seen_by_the_next_call(model):
     assert hfpaged.stats(model)["num_free_blocks"] == hfpaged.stats(model)["num_blocks"]
 
 
+def test_a_parameter_rebound_at_its_old_address_is_seen_by_the_next_call(model):
+    """``param.data = new`` where ``new`` lies at the old address (here: two numpy-backed tensors over one array; the
+    allocator can do the same after freeing the old tensor): the address and version counter are unchanged, the
+    storage is not, and cached prefix blocks of the old weights must not be reused."""
+    prompts = random_prompts([13, 9], seed=17)
+    shared = [prompts[0] + p for p in prompts]
+    weight = model.model.layers[0].mlp.up_proj.weight  # layer 0: the K/V of layer 1 depend on it
+    array = weight.detach().numpy().copy()
+    weight.data = torch.from_numpy(array)
+    assert exact(model, shared) and exact(model, shared)
+    assert hfpaged.stats(model)["prefix_cache_hits"] > 0
+    address, version = weight.data_ptr(), weight._version
+    rebound = torch.from_numpy(array)  # another storage over the same memory
+    torch.manual_seed(3)
+    rebound.copy_(torch.randn_like(rebound) * 0.3)  # counted by `rebound`'s version counter, not the weight's
+    weight.data = rebound
+    assert (weight.data_ptr(), weight._version) == (address, version)
+    assert exact(model, shared)
+
+
 def test_a_buffer_changed_in_place_drops_the_stale_prefix_cache(model):
     # buffers are part of what a model computes (RoPE's inv_freq here): an in-place change counts as new weights
     prompts = random_prompts([13, 9], seed=17)

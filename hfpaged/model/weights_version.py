@@ -4,6 +4,8 @@ in-place writes, buffers, PEFT adapter settings, forward hooks), and where its a
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.nn.modules import module as nn_module
 
@@ -20,7 +22,9 @@ class WeightsVersion:
     """A cheap fingerprint of what a model computes: where each parameter lives, how often it (and each buffer) was
     written in place, (PEFT models) which adapters its layers apply, and which forward hooks its modules (or all
     modules, torch's global hooks) run: a hook added or removed counts as new storage, as it changes what the
-    graphs captured and the cached prefix blocks hold. Writes through ``param.data`` bypass the
+    graphs captured and the cached prefix blocks hold. Storage is told apart by address and by identity (a weak
+    reference to each parameter's storage object): a tensor rebound through ``param.data = new`` counts as new
+    storage even where the allocator hands it the old address. Writes *through* ``param.data`` bypass the
     version counter: after them call ``hfpaged.reset_prefix_cache`` (README, "Changed weights").
 
     The module tree is walked once; each check reads the parameters of the remembered modules directly and
@@ -45,7 +49,7 @@ class WeightsVersion:
         # storage - some RoPE variants re-register theirs in forward, and graphs must not be recaptured for that
         buffers = [b for module in modules for b in module._buffers.values() if b is not None]
         return (
-            (tuple(p.data_ptr() for p in params), _hooks(modules)),
+            (tuple(p.data_ptr() for p in params), tuple(_storage_ref(p) for p in params), _hooks(modules)),
             tuple(p._version for p in params) + tuple((b.data_ptr(), _version(b)) for b in buffers),
             adapter_state(self.adapter_layers),
         )
@@ -65,6 +69,15 @@ class WeightsVersion:
         changed = rewired or versions != self.versions
         self.storage, self.versions, self.adapters = storage, versions, adapters
         return changed, rewired
+
+
+def _storage_ref(param: torch.Tensor):
+    """A weak reference to ``param``'s storage object (one per storage: torch keeps it while the storage lives), so
+    a rebound storage at the old address compares unequal; None where a tensor subclass has no storage to read."""
+    try:
+        return weakref.ref(param.untyped_storage())
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
 
 
 def has_forward_hooks(module: torch.nn.Module) -> bool:
