@@ -27,6 +27,7 @@ from openai import AsyncOpenAI, OpenAI
 import hfpaged
 from hfpaged.serve import Server
 from hfpaged.serve.cli import build_parser
+from hfpaged.serve.logprobs import TextOffsets, TokenStrings
 
 MODEL_NAME = "tiny-llama"
 CHAT_TEMPLATE = (
@@ -245,6 +246,30 @@ def test_stop_strings_are_cut_from_the_text(client):
     assert streamed == text[:start]
 
 
+def test_a_stop_string_across_a_skipped_special_token_ends_streamed_and_whole_responses_alike(client, tokenizer):
+    # text skips special tokens, so "a" <s> "b" reads "ab"; transformers' stop criteria see the token "<s>" between
+    a, b, bos = (tokenizer.convert_tokens_to_ids(t) for t in ("a", "b", "<s>"))
+    names = {a: "a", b: "b", bos: "_"}
+    settings = dict(model=MODEL_NAME, prompt="x", max_tokens=30, temperature=1.0, logit_bias={a: 100, b: 100, bos: 100})
+    spanned = 0
+    for seed in range(3):
+        free = client.completions.create(seed=seed, logprobs=0, **settings).choices[0]
+        drawn = "".join(names[tokenizer.convert_tokens_to_ids(t)] for t in free.logprobs.tokens)
+        whole = client.completions.create(seed=seed, stop="ab", **settings)
+        chunks = list(
+            client.completions.create(
+                seed=seed, stop="ab", stream=True, stream_options={"include_usage": True}, **settings
+            )
+        )
+        used = whole.usage.completion_tokens
+        assert whole.choices[0].text == "".join(c.choices[0].text for c in chunks if c.choices)
+        assert whole.choices[0].finish_reason == [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        assert used == chunks[-1].usage.completion_tokens
+        assert (whole.choices[0].finish_reason == "stop") == ("ab" in drawn.replace("_", ""))
+        spanned += "ab" not in drawn[:used] and "ab" in drawn[:used].replace("_", "")
+    assert spanned  # at least one seed met "ab" only across <s>
+
+
 def test_logprobs(client):
     out = client.completions.create(
         model=MODEL_NAME, prompt="the stop sign", max_tokens=6, temperature=0, logprobs=2, logit_bias=NO_EOS
@@ -265,7 +290,7 @@ def test_logprobs(client):
     )
     content = chat.choices[0].logprobs.content
     assert len(content) == 5 and all(len(entry.top_logprobs) == 3 for entry in content)
-    assert all(entry.logprob <= 0 and entry.bytes == list(entry.token.encode()) for entry in content)
+    assert all(entry.logprob <= 0 and entry.bytes == list(token_bytes(entry.token)) for entry in content)
     streamed = []
     for chunk in client.chat.completions.create(
         model=MODEL_NAME,
@@ -281,6 +306,46 @@ def test_logprobs(client):
         if chunk.choices and chunk.choices[0].logprobs:
             streamed += chunk.choices[0].logprobs.content
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content])
+
+
+def token_bytes(name):
+    """A log-prob entry's token name as bytes: ``bytes:\\xe4`` names a token that is part of a character."""
+    return bytes.fromhex(name[6:].replace("\\x", "")) if name.startswith("bytes:") else name.encode()
+
+
+def test_logprob_names_bytes_and_offsets_of_a_character_split_over_tokens(tokenizer):
+    strings, text = TokenStrings(tokenizer), "café 中文 🙂!"
+    ids = tokenizer(text)["input_ids"]
+    names = [strings(t) for t in ids]
+    assert sum(name.startswith("bytes:") for name in names) >= 6  # 中 and 文: three byte tokens each
+    assert b"".join(strings.token_bytes(t) for t in ids) == text.encode()
+    assert all(strings.token_bytes(t) == token_bytes(name) for t, name in zip(ids, names))
+    offsets = TextOffsets(tokenizer, start=4)(ids)
+    assert offsets == sorted(offsets) and offsets[0] == 4 and offsets[-1] == 4 + text.index("!")
+    for char in "é中文":  # the first token of each character sits where the character starts
+        first = next(i for i, t in enumerate(ids) if char.encode().startswith(strings.token_bytes(t)[:1]))
+        assert offsets[first] == 4 + text.index(char)
+
+
+def test_logprobs_of_byte_tokens_keep_each_token_apart(client, tokenizer):
+    byte_ids = tokenizer("中")["input_ids"]  # each decodes alone to U+FFFD
+    assert len(byte_ids) == 3
+    names = {f"bytes:\\x{b:02x}" for b in "中".encode()}
+    bias = {**{str(t): 100 for t in byte_ids}, **NO_EOS}
+    out = client.completions.create(
+        model=MODEL_NAME, prompt="the stop sign", max_tokens=4, temperature=0, logprobs=3, logit_bias=bias
+    )
+    logprobs = out.choices[0].logprobs
+    assert all(set(top) == names for top in logprobs.top_logprobs)  # three entries, not one "\ufffd"
+    assert set(logprobs.tokens) <= names
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+    assert all(0 <= offset <= len(out.choices[0].text) for offset in logprobs.text_offset)
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3, logit_bias=bias
+    )
+    for entry in chat.choices[0].logprobs.content:
+        assert entry.token in names and entry.bytes == list(token_bytes(entry.token))
+        assert {e.token for e in entry.top_logprobs} == names
 
 
 def test_echo_and_default_max_tokens(client):
@@ -537,6 +602,23 @@ BAD_INPUTS = [
     ),
     ("/v1/chat/completions", {"model": "nope", "messages": CHAT}, 404, "model", "does not exist"),
     ("/v1/nothing-here", {}, 404, None, "Not Found"),
+    # what json.loads itself refuses: too deep for its recursion limit, an integer of more than 4,300 digits
+    ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None, "not valid JSON"),
+    ("/v1/completions", b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b"}", 400, None, "not valid JSON"),
+    (
+        "/v1/completions",
+        {"model": MODEL_NAME, "prompt": "hi", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+        "only allowed when `stream` is true",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL_NAME, "messages": [{"role": "user"}]},
+        400,
+        "messages[0].content",
+        "Missing required parameter",
+    ),
 ]
 
 
@@ -557,6 +639,22 @@ def test_bad_input_is_refused_clearly_and_the_server_keeps_serving(server, clien
     assert words in error["message"], error
     assert error["param"] == param and error["type"]
     good_request(client)
+
+
+def test_null_fields_mean_their_defaults_and_a_tiny_temperature_is_greedy(server):
+    def post(path, body):
+        response = httpx.post(server.url + path, json={"model": MODEL_NAME, "max_tokens": 5, **body}, timeout=30)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        return choice.get("text", choice.get("message", {}).get("content"))
+
+    nulls = {"n": None, "presence_penalty": None, "frequency_penalty": None, "stream": None, "logit_bias": NO_EOS}
+    greedy = post("/v1/completions", {"prompt": "the stop sign", "temperature": 0, "logit_bias": NO_EOS})
+    assert post("/v1/completions", {"prompt": "the stop sign", "temperature": 0, "echo": None, **nulls}) == greedy
+    assert post("/v1/completions", {"prompt": "the stop sign", "temperature": 1e-30, "logit_bias": NO_EOS}) == greedy
+    chat = post("/v1/chat/completions", {"messages": CHAT, "temperature": 0, "logit_bias": NO_EOS})
+    extra = {"logprobs": None, "parallel_tool_calls": True}  # OpenAI's default for the latter, meaningless here
+    assert post("/v1/chat/completions", {"messages": CHAT, "temperature": 0, **extra, **nulls}) == chat
 
 
 def test_openai_client_raises_typed_errors(client):

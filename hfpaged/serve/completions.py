@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 from .context import ServingContext
 from .errors import invalid_request
 from .generation import Generation
-from .logprobs import completion_logprobs
+from .logprobs import TextOffsets, completion_logprobs
 from .protocol import CompletionRequest, parse_request
 from .request_params import completion_budget, generate_kwargs
 from .sse import ChunkWriter, event_stream, json_text, run_to_end, sse
@@ -76,7 +76,11 @@ async def create_completion(ctx: ServingContext, http_request: Request) -> Respo
         logprobs = None
         if request.logprobs is not None:
             logprobs = completion_logprobs(
-                ctx.token_strings, choice.token_ids, choice.logprobs or [], choice.top_logprobs, text_offset=len(echo)
+                ctx.token_strings,
+                choice.token_ids,
+                choice.logprobs or [],
+                choice.top_logprobs,
+                TextOffsets(ctx.tokenizer, len(echo)),
             )
         choices.append(
             {
@@ -94,7 +98,7 @@ async def _chunks(
 ) -> AsyncIterator[str]:
     include_usage = request.stream_options is not None and request.stream_options.include_usage
     chunk = ChunkWriter(header, include_usage)
-    text_offsets = [len(echoes[c.prompt_index]) for c in generation.choices]
+    text_offsets = [TextOffsets(ctx.tokenizer, len(echoes[c.prompt_index])) for c in generation.choices]
     if request.echo:
         for choice in generation.choices:
             yield chunk(
@@ -110,9 +114,8 @@ async def _chunks(
                 delta.token_ids,
                 delta.logprobs or [],
                 delta.top_logprobs,
-                text_offset=text_offsets[index],
+                text_offsets[index],
             )
-            text_offsets[index] += sum(len(token) for token in logprobs["tokens"])
         yield chunk(
             f'{{"index":{index},"text":{json_text(delta.text)},"logprobs":{json_text(logprobs)},'
             f'"finish_reason":{json_text(delta.finish_reason)}}}'

@@ -167,7 +167,9 @@ class Generation:
             choice.top_logprobs.extend(output.new_top_logprobs or [{}] * len(output.new_logprobs))
         finished = output.finished
         text = ""
-        if self.incremental or finished:
+        # with stop strings a non-streaming choice is decoded as it goes too: the text's stop (searched with special
+        # tokens skipped, where the engine's token-level criteria may see none) then ends both kinds alike
+        if self.incremental or finished or choice.text.stop:
             text = choice.text.push(choice.token_ids, finished)
             finished = finished or choice.text.stopped
         if finished:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import invalid_request
 
@@ -20,7 +20,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "best_of": ("best_of (server-side ranking of samples)", (1,)),
     "tools": ("tool calling", ()),
     "tool_choice": ("tool calling", ("none",)),
-    "parallel_tool_calls": ("tool calling", ()),
+    "parallel_tool_calls": ("tool calling", (True, False)),  # meaningless without tools: any bool
     "functions": ("function calling", ()),
     "function_call": ("function calling", ("none",)),
     "response_format": ("structured output (response_format)", ({"type": "text"},)),
@@ -45,6 +45,15 @@ _EXPECTED = {
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """An explicit null for an optional field means its default, as OpenAI reads it (some clients send them)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
 
 
 class StreamOptions(_Strict):
@@ -91,7 +100,7 @@ class ChatMessage(_Strict):
     """One chat message; ``developer`` is passed to the chat template as ``system``."""
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None = None  # required but for the assistant (``parse_request``)
     name: str | None = None
 
 
@@ -111,12 +120,15 @@ def parse_request(raw: bytes, request_type: type[RequestT]) -> RequestT:
     """Validate a raw JSON body; any problem is an OpenAI-format 400 naming the field."""
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise invalid_request(f"The request body is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, too deep, an int of > 4300 digits
+        raise invalid_request(f"The request body is not valid JSON: {exc}"[:300]) from None
     if not isinstance(data, dict):
         raise invalid_request(f"The request body must be a JSON object, got {type(data).__name__}")
     for name, value in data.items():
-        where = _invalid_text(value, name)
+        try:
+            where = _invalid_text(value, name)
+        except RecursionError:
+            raise invalid_request("The request body is nested too deeply") from None
         if where is not None:
             raise invalid_request(f"`{where}` is not valid Unicode text (it holds a lone surrogate)", param=where)
     for name, (what, allowed) in UNSUPPORTED_FIELDS.items():
@@ -125,9 +137,18 @@ def parse_request(raw: bytes, request_type: type[RequestT]) -> RequestT:
             if value is not None and value not in allowed:
                 raise invalid_request(f"`{name}` is not supported by hfpaged serve ({what})", param=name)
     try:
-        return request_type.model_validate(data)
-    except ValidationError as exc:
+        request = request_type.model_validate(data)
+    except (ValidationError, RecursionError) as exc:
+        if isinstance(exc, RecursionError):
+            raise invalid_request("The request body is nested too deeply") from None
         raise _validation_error(exc) from None
+    if request.stream_options is not None and not request.stream:
+        raise invalid_request("`stream_options` is only allowed when `stream` is true", param="stream_options")
+    for index, message in enumerate(getattr(request, "messages", ())):
+        if message.content is None and message.role != "assistant":
+            param = f"messages[{index}].content"
+            raise invalid_request(f"Missing required parameter: `{param}` (a {message.role} message)", param=param)
+    return request
 
 
 def _invalid_text(value: Any, where: str) -> str | None:

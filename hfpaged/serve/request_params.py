@@ -9,6 +9,7 @@ from .errors import invalid_request
 from .protocol import SamplingRequest
 
 _SEED_MODULUS = 2**62  # the engine's seed range; OpenAI seeds may be any int
+_MIN_TEMPERATURE = 1e-5  # below it a request is greedy (vLLM's _SAMPLING_EPS)
 
 
 @dataclass(frozen=True)
@@ -77,13 +78,13 @@ def completion_budget(
 def generate_kwargs(request: SamplingRequest, limits: ModelLimits, *, num_logprobs: int | None) -> dict[str, Any]:
     """Sampling settings shared by every prompt and choice of ``request`` (no length, no seed offset).
 
-    OpenAI's defaults apply to what the request leaves out (temperature 1, top_p 1); temperature 0 is
-    greedy. Settings OpenAI has no field for (top_k, repetition_penalty, ...) stay as the model's
+    OpenAI's defaults apply to what the request leaves out (temperature 1, top_p 1); a temperature below 1e-5
+    is greedy, as in vLLM (dividing the logits by one of 1e-45 overflows float32). Settings OpenAI has no field for (top_k, repetition_penalty, ...) stay as the model's
     ``generation_config`` says, as in ``generate``.
     """
     kwargs: dict[str, Any] = {}
     temperature = 1.0 if request.temperature is None else request.temperature
-    if temperature == 0.0:
+    if temperature < _MIN_TEMPERATURE:
         kwargs["do_sample"] = False
     else:
         kwargs["do_sample"] = True
