@@ -40,18 +40,27 @@ def check_pad_tokens(token_ids: list[int], config: GenerationConfig, index: int 
     """ValueError where ``generate`` would mask positions of this prompt out by itself: without an attention mask it
     masks every position holding ``pad_token_id`` when that is set and is not an eos token id (transformers'
     ``_prepare_attention_mask_for_generation``); generate_many would read them as prompt tokens."""
-    pad = config.pad_token_id
-    if pad is None or pad not in token_ids:
-        return
-    eos = config.eos_token_id
-    if pad in (eos if isinstance(eos, (list, tuple)) else [eos]):
-        return
-    positions = [i for i, t in enumerate(token_ids) if t == pad]
+    pads = set(_id_list(config.pad_token_id))
+    if pads.isdisjoint(token_ids) or not pads.isdisjoint(_id_list(config.eos_token_id)):
+        return  # stock masks nothing where a pad id is also an eos id
+    positions = [i for i, t in enumerate(token_ids) if t in pads]
+    pad = config.pad_token_id if len(pads) > 1 else next(iter(pads))
     raise ValueError(
         f"{prompt_name(index)} holds the pad token id {pad} at positions {positions[:8]}: generate would mask those "
         "positions out (its pad_token_id is set and is not an eos token id), generate_many would attend to them. "
         "Give the prompt without them, a 2-D batch with attention_mask=, or pad_token_id=None to keep them"
     )
+
+
+def _id_list(value: Any) -> list[int]:
+    """Token ids given as an int, a list or tuple, or a tensor/array of any shape, as a flat list (None: none)."""
+    if value is None:
+        return []
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return [int(v) for v in value.reshape(-1).tolist()]
+    if isinstance(value, (list, tuple)):
+        return [i for v in value for i in _id_list(v)]
+    return [int(value)]
 
 
 def _is_int_array(value: Any) -> bool:

@@ -25,15 +25,16 @@ from .core.request import Request, RequestGroup
 from .model import hf_compat
 from .prompt_forms import UnpaddedIds, check_pad_tokens, naming_prompt, to_token_ids
 from .sampling.beam_search import BeamSearch
+from .sampling.config_cache import ResolvedConfigCache
 from .sampling.params import (
     CallOptions,
     ResolvedConfig,
-    ResolvedConfigCache,
     is_int,
     make_request_params,
     prompt_name,
     resolve_generation_config,
 )
+from .sampling.stopping import StopStringCache
 
 if TYPE_CHECKING:
     from .model.attach import PatchState
@@ -145,7 +146,7 @@ class PromptMaker:
     def __init__(self, model: PreTrainedModel, state: PatchState):
         self._model = weakref.ref(model)
         self.state = weakref.proxy(state)  # the state owns this (through the engine): no reference cycle
-        self.stop_string_cache: dict = {}  # StopStringCriteria shared by requests with the same stop strings
+        self.stop_string_cache = StopStringCache()  # StopStringCriteria shared by requests with the same stop strings
         self.resolved_configs = ResolvedConfigCache()  # Engine.add_request's merged configs, across calls
         self._ids = itertools.count()
         self.in_use: Callable[[str], bool] = lambda request_id: False  # the engine's running ids (EngineCore)

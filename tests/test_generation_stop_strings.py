@@ -99,3 +99,54 @@ def test_a_stop_string_can_start_in_the_prompt(model, tokenizer, prompts, plain,
     results = model.generate_many(prompts[:1], **kwargs)
     assert [r.token_ids for r in results] == reference_generate(model, prompts[:1], tokenizer=tokenizer, **kwargs)
     assert results[0].token_ids == plain[0][:1] and results[0].finish_reason == "stop"
+
+
+def other_tokenizer(size):
+    """A byte-level BPE of another corpus with ``size`` entries: the same ids read as other strings."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=size,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    words = "zebra xylophone quartz jukebox vexing wizard mmm nnn ooo ppp qqq rrr glyph fjord nymph crwth waltz"
+    backend.train_from_iterator([words, words.upper(), " ".join(w[::-1] for w in words.split())] * 20, trainer)
+    out = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    assert len(out) == size
+    return out
+
+
+def test_a_tokenizer_at_a_freed_tokenizers_address_gets_its_own_stop_tables(
+    model, tokenizer, prompts, base, monkeypatch
+):
+    """The stop-string tables are cached per tokenizer; CPython hands a freed object's address to the next one, so
+    the cache must not go by ``id`` alone (a probe found a new tokenizer served the freed one's tables). Every id
+    is made equal here, which is what an address reused looks like to the cache."""
+    from hfpaged.sampling import stopping
+
+    other = other_tokenizer(len(tokenizer))
+    free = reference_generate(model, prompts[:1], **base)[0]
+    stop = spanning_stop_string(other, free)
+    want = reference_generate(model, prompts[:1], tokenizer=other, stop_strings=[stop], **base)
+    assert want != reference_generate(model, prompts[:1], tokenizer=tokenizer, stop_strings=[stop], **base)
+    monkeypatch.setattr(stopping, "id", lambda obj: 0, raising=False)
+    for tok in (tokenizer, other):  # the first fills the cache under "address" 0
+        got = model.generate_many(prompts[:1], tokenizer=tok, stop_strings=[stop], **base)
+    assert [r.token_ids for r in got] == want
+
+
+def test_the_stop_table_cache_is_bounded(tokenizer):
+    from hfpaged.sampling.stopping import StopStringCache
+
+    cache = StopStringCache(max_entries=2)
+    first = cache.get(tokenizer, ["ab"])
+    assert cache.get(tokenizer, "ab") is first  # a string and a one-string list are the same stop strings
+    for stops in (["cd"], ["ef"]):
+        cache.get(tokenizer, stops)
+    assert len(cache._entries) == 2 and cache.get(tokenizer, ["ab"]) is not first  # the oldest was dropped

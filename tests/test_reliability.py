@@ -398,7 +398,7 @@ def test_prompts_holding_the_pad_token_are_refused_where_generate_would_mask_the
     assert all_free(model)
     # pad_token_id None (generate then pads with eos and infers no mask), or a pad id that is an eos: read as tokens
     model.generation_config.pad_token_id = 0
-    for settings in (dict(pad_token_id=None), dict(eos_token_id=[0, 1])):
+    for settings in (dict(pad_token_id=None), dict(eos_token_id=[0, 1]), dict(eos_token_id=torch.tensor([1, 0]))):
         expected = stock(model, padded, **settings)
         got = model.generate_many(padded, max_new_tokens=8, do_sample=False, **settings)
         assert [r.token_ids for r in got] == expected, settings

@@ -6,7 +6,8 @@ from models import make_model, random_prompts, reference_generate
 from transformers import GenerationConfig
 
 import hfpaged
-from hfpaged.sampling.params import ResolvedConfigCache, resolve_generation_config
+from hfpaged.sampling.config_cache import ResolvedConfigCache
+from hfpaged.sampling.params import resolve_generation_config
 
 
 @pytest.fixture
@@ -219,3 +220,34 @@ def test_cached_settings_under_preemption_two_callers_and_changed_weights(mode):
     assert first.core.num_overlapped_steps > 0
     cache = first.core.prompts.resolved_configs
     assert cache.misses == 1 and cache.hits == 2 * len(prompts) - 1
+
+
+def test_settings_equal_in_value_but_not_in_type_or_identity_are_not_served_stale(model):
+    """Generate tells ``early_stopping=True`` from ``1`` (``is True``), and a tensor setting edited in place is
+    another setting: neither may reuse the entry made for the other (prompt dicts' settings go through the cache)."""
+    prompt = random_prompts([9], seed=5)[0]
+    beams = dict(max_new_tokens=15, num_beams=4, eos_token_id=9, length_penalty=2.0, do_sample=False)
+    assert reference_generate(model, [prompt], early_stopping=1, **beams) != reference_generate(
+        model, [prompt], early_stopping=True, **beams
+    )  # a prompt where the two differ
+    for first, second in [(1, True), (True, 1)]:
+        model.generate_many([{"prompt": prompt, "early_stopping": first}], **beams)
+        got = model.generate_many([{"prompt": prompt, "early_stopping": second}], **beams)[0].token_ids
+        assert [got] == reference_generate(model, [prompt], early_stopping=second, **beams)
+    greedy = dict(max_new_tokens=12, do_sample=False)
+    free = reference_generate(model, [prompt], **greedy)[0]
+    eos = torch.tensor([free[2]])
+    for stop_at in (free[2], free[5]):
+        eos[0] = stop_at  # the same tensor object, edited in place
+        got = model.generate_many([{"prompt": prompt, "eos_token_id": eos}], **greedy)[0].token_ids
+        assert [got] == reference_generate(model, [prompt], eos_token_id=torch.tensor([stop_at]), **greedy)
+
+
+def test_the_freeze_key_keeps_types_apart_and_refuses_objects():
+    from hfpaged.sampling.config_cache import _freeze
+
+    assert len({_freeze(1), _freeze(True), _freeze(1.0)}) == 3
+    assert _freeze({"a": [1, (2, None)]}) == _freeze({"a": [1, (2, None)]})
+    for value in (torch.tensor([1]), object(), [torch.tensor(2)]):
+        with pytest.raises(TypeError):
+            _freeze(value)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import copy
 import math
-import weakref
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +20,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from ..model import hf_compat
 from .processors import Stage, adjustment_stages, plan_stages, stage_schedule, wrap_prefix_allowed_tokens_fn
-from .stopping import StopRules, build_stop_rules
+from .stopping import StopRules, StopStringCache, build_stop_rules
 
 # Generation settings that change the decoding algorithm in ways hfpaged does not implement.
 _UNSUPPORTED_WHEN_SET = {
@@ -163,114 +161,6 @@ def resolve_generation_config(
     return ResolvedConfig(config, has_default_max_length, has_default_min_length)
 
 
-# Settings servers vary per request: applied to a request's copy of a cached config (see ResolvedConfigCache)
-_PER_REQUEST_SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-class ResolvedConfigCache:
-    """Resolved configs kept across ``Engine.add_request`` calls, for requests that repeat their settings.
-
-    ``resolve_generation_config`` costs ~0.3-0.5 ms a request (transformers' ``_prepare_generation_config``
-    deep-copies and merges configs): a server adding requests one at a time would pay it on every request. An
-    entry is keyed by the caller's ``generation_config`` object and its settings, and used only while
-    ``model.generation_config``, ``model.config`` and the caller's config still equal (by value, so in-place
-    edits count) deep copies taken when the entry was made; anything else resolves afresh.
-
-    Without a ``generation_config``, the numbers servers vary per request (``_PER_REQUEST_SETTINGS``) are not
-    part of the key: they go onto the request's copy of the merged config through ``GenerationConfig.update``,
-    the call ``_prepare_generation_config`` applies settings with last (so they win over the model's defaults
-    the same way, and are validated the same way).
-    """
-
-    def __init__(self, max_entries: int = 64):
-        self.max_entries = max_entries
-        self._entries: OrderedDict[tuple, tuple] = OrderedDict()
-        self.hits = self.misses = 0
-
-    def resolve(
-        self, model: Any, generation_config: GenerationConfig | None, gen_kwargs: dict[str, Any]
-    ) -> ResolvedConfig:
-        per_request = {}
-        if generation_config is None:
-            per_request = {
-                k: v
-                for k, v in gen_kwargs.items()
-                if k in _PER_REQUEST_SETTINGS and (v is None or type(v) in (int, float))
-            }
-        base_kwargs = {k: v for k, v in gen_kwargs.items() if k not in per_request}
-        try:
-            key = (id(generation_config), _freeze(base_kwargs))
-        except TypeError:  # settings that are not plain values (processors, tensors): resolved each time
-            self.misses += 1
-            return resolve_generation_config(model, generation_config, gen_kwargs)
-        entry = self._entries.get(key)
-        resolved = None
-        if entry is not None:
-            config_ref, snapshot, cached = entry
-            if (config_ref is None or config_ref() is generation_config) and _same_state(
-                snapshot, model, generation_config
-            ):
-                resolved = cached
-                self._entries.move_to_end(key)
-                self.hits += 1
-            else:
-                del self._entries[key]
-        if resolved is None:
-            self.misses += 1
-            snapshot = _snapshot(model, generation_config)  # before resolving: what the entry is made from
-            # the entry keeps copies of list/dict settings (stop strings, eos ids): the caller's may change later
-            resolved = resolve_generation_config(model, generation_config, copy.deepcopy(base_kwargs))
-            if snapshot is not None:
-                config_ref = None if generation_config is None else weakref.ref(generation_config)
-                self._entries[key] = (config_ref, snapshot, resolved)
-                if len(self._entries) > self.max_entries:
-                    self._entries.popitem(last=False)
-        if per_request:
-            config = copy.copy(resolved.generation_config)  # the cached config stays as it was made
-            config.update(**per_request)  # validates (max_new_tokens <= 0 raises) as _prepare_generation_config does
-            _check_supported(config)
-            resolved = ResolvedConfig(config, resolved.has_default_max_length, resolved.has_default_min_length)
-        return resolved
-
-
-def _freeze(value: Any) -> Any:
-    """A hashable stand-in for settings made of lists, tuples, dicts and sets (TypeError for anything else
-    unhashable); the container's type is part of it, so [1] and (1,) stay apart."""
-    if isinstance(value, dict):
-        return (dict, tuple(sorted((k, _freeze(v)) for k, v in value.items())))
-    if isinstance(value, (list, tuple)):
-        return (type(value), tuple(_freeze(v) for v in value))
-    if isinstance(value, (set, frozenset)):
-        return (type(value), frozenset(_freeze(v) for v in value))
-    hash(value)
-    return value
-
-
-def _snapshot(model: Any, generation_config: GenerationConfig | None) -> tuple | None:
-    try:
-        return copy.deepcopy(
-            (
-                model.generation_config.__dict__,
-                None if generation_config is None else generation_config.__dict__,
-                model.config.__dict__,
-            )
-        )
-    except Exception:  # something that does not copy: never cached
-        return None
-
-
-def _same_state(snapshot: tuple, model: Any, generation_config: GenerationConfig | None) -> bool:
-    model_gc, user_gc, model_config = snapshot
-    try:
-        return bool(
-            model_gc == model.generation_config.__dict__
-            and (user_gc is None or user_gc == generation_config.__dict__)
-            and model_config == model.config.__dict__
-        )
-    except Exception:  # a value whose comparison is not a bool (a tensor): not the same
-        return False
-
-
 def _check_supported(config: GenerationConfig) -> None:
     for name, what in _UNSUPPORTED_WHEN_SET.items():
         value = getattr(config, name, None)
@@ -334,7 +224,7 @@ def make_request_params(
     index: int | None,
     vocab_size: int,
     tokenizer: Any = None,
-    stop_string_cache: dict | None = None,
+    stop_string_cache: StopStringCache | None = None,
     device: torch.device | str = "cpu",
 ) -> RequestParams:
     """Per-prompt settings: lengths as ``generate`` computes them, and the processors it would build.
@@ -378,7 +268,11 @@ def make_request_params(
             vocab_size=vocab_size,
         )
     stop = build_stop_rules(
-        model, config, options.stopping_criteria, tokenizer, stop_string_cache if stop_string_cache is not None else {}
+        model,
+        config,
+        options.stopping_criteria,
+        tokenizer,
+        stop_string_cache if stop_string_cache is not None else StopStringCache(),
     )
     return RequestParams(
         generation_config=config,

@@ -9,6 +9,8 @@ measured from the request's arrival; other criteria get the request's full ids, 
 from __future__ import annotations
 
 import time
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,12 +46,39 @@ class StopRules:
         return self.stop_strings is None and self.max_time is None and self.criteria is None
 
 
+class StopStringCache:
+    """``StopStringCriteria`` shared by requests with the same tokenizer and stop strings: their tables take ~ms
+    to build, and requests sharing one are checked in one batched call. An entry holds a weak reference to its
+    tokenizer and its vocabulary size, so a tokenizer built at a freed one's address, or one given new tokens,
+    gets tables of its own; the least recently used of more than ``max_entries`` is dropped."""
+
+    def __init__(self, max_entries: int = 64):
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple, tuple] = OrderedDict()
+
+    def get(self, tokenizer: Any, stop_strings: str | list[str]) -> StopStringCriteria:
+        stops = tuple([stop_strings] if isinstance(stop_strings, str) else stop_strings)
+        try:
+            key, ref = (id(tokenizer), len(tokenizer), stops), weakref.ref(tokenizer)
+        except TypeError:  # no size or no weak reference: tables of its own each time
+            return StopStringCriteria(stop_strings=stop_strings, tokenizer=tokenizer)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is tokenizer:
+            self._entries.move_to_end(key)
+            return entry[1]
+        criterion = StopStringCriteria(stop_strings=stop_strings, tokenizer=tokenizer)
+        self._entries[key] = (ref, criterion)
+        if len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+        return criterion
+
+
 def build_stop_rules(
     model: Any,
     config: GenerationConfig,
     user_criteria: StoppingCriteriaList | None,
     tokenizer: Any,
-    stop_string_cache: dict,
+    stop_string_cache: StopStringCache,
 ) -> StopRules:
     """``generate``'s stopping criteria for one request; StopStringCriteria are shared through the cache."""
     defaults = StoppingCriteriaList()
@@ -63,16 +92,7 @@ def build_stop_rules(
                 "There are one or more stop strings, either in the arguments to generate_many or in the model's "
                 "generation config, but no tokenizer is known: pass tokenizer= to generate_many or patch."
             )
-        key = (
-            id(tokenizer),
-            tuple([config.stop_strings] if isinstance(config.stop_strings, str) else config.stop_strings),
-        )
-        criterion = stop_string_cache.get(key)
-        if criterion is None:
-            criterion = stop_string_cache[key] = StopStringCriteria(
-                stop_strings=config.stop_strings, tokenizer=tokenizer
-            )
-        defaults.append(criterion)
+        defaults.append(stop_string_cache.get(tokenizer, config.stop_strings))
     eos = hf_compat.eos_token_tensor(config)
     if eos is not None:
         defaults.append(EosTokenCriteria(eos_token_id=eos))
