@@ -464,3 +464,21 @@ def test_a_streamer_whose_end_raises_does_not_hide_the_original_error(model, mon
     assert any("the streamer's pipe is closed" in note for note in info.value.__notes__)
     monkeypatch.undo()
     assert all_free(model)
+
+
+def test_numpy_eos_ids_are_taken_as_generate_takes_them(model):
+    """numpy integers and integer arrays as ``eos_token_id`` (per call and per prompt), as stock takes them; a
+    float or a bool is still refused by name."""
+    prompts = random_prompts([7, 5], seed=2)
+    free = stock(model, prompts)
+    a, b = free[0][3], free[1][-2]
+    for eos in (np.int64(a), np.array([a, b]), [np.int32(b)]):
+        want = stock(model, prompts, eos_token_id=eos)
+        assert want == stock(model, prompts, eos_token_id=torch.tensor(eos).tolist())
+        assert [r.token_ids for r in model.generate_many(prompts, max_new_tokens=8, eos_token_id=eos)] == want
+        dicts = [{"prompt": p, "eos_token_id": eos} for p in prompts]
+        assert [r.token_ids for r in model.generate_many(dicts, max_new_tokens=8)] == want
+    for bad in (float(a), True):
+        with pytest.raises(ValueError, match="eos_token_id must be an int or a list of ints"):
+            model.generate_many(prompts, max_new_tokens=8, eos_token_id=bad)
+    assert all_free(model)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import GenerationConfig
 from transformers.generation.logits_process import LogitsProcessorList
@@ -209,9 +210,13 @@ def _check_supported(config: GenerationConfig) -> None:
 def _is_token_ids(value: object, allow_list: bool) -> bool:
     if isinstance(value, torch.Tensor):  # generate takes tensors too
         return not value.is_floating_point() and not value.is_complex() and (allow_list or value.numel() == 1)
-    if is_int(value):
+    if isinstance(value, np.ndarray):  # and numpy's integers
+        return np.issubdtype(value.dtype, np.integer) and (allow_list or value.size == 1)
+    if is_int(value) or isinstance(value, np.integer):
         return True
-    return allow_list and isinstance(value, (list, tuple)) and all(is_int(v) for v in value)
+    return (
+        allow_list and isinstance(value, (list, tuple)) and all(is_int(v) or isinstance(v, np.integer) for v in value)
+    )
 
 
 def make_request_params(
