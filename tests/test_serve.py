@@ -13,6 +13,7 @@ import os
 import pickle
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -1044,3 +1045,43 @@ def test_short_prompts_of_a_longrope_model_that_computes_past_l_without_context_
         budget(13, 5)
     prompt = list(range(3, 8))
     assert len(model.generate_many([prompt], max_new_tokens=budget(None, 5), do_sample=False)[0].token_ids) == 12
+
+
+def test_prompts_are_tokenized_off_the_event_loop(model, tokenizer, monkeypatch):
+    """Tokenization and chat templates run on the front end's tokenizer thread: a huge prompt (a probe sent 8 MB)
+    no longer stalls every stream of the front end while it is tokenized and found too long."""
+    from hfpaged.serve import chat, completions
+
+    seen = []
+    for module, name in ((completions, "prompt_token_ids"), (chat, "chat_prompt_token_ids")):
+        original = getattr(module, name)
+
+        def recorded(*args, original=original):
+            seen.append(threading.current_thread().name)
+            return original(*args)
+
+        monkeypatch.setattr(module, name, recorded)
+    with Server(model, tokenizer, port=0, served_model_name=MODEL_NAME, frontend_process=False) as srv:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        good_request(client)
+        client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2)
+        with pytest.raises(openai.BadRequestError, match="maximum context length"):
+            client.completions.create(model=MODEL_NAME, prompt="the stop sign " * 4000, max_tokens=2)
+    assert len(seen) == 3 and all(name.startswith("hfpaged-tokenizer") for name in seen), seen
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_no_server_error(model, tokenizer, caplog):
+    with Server(model, tokenizer, port=0, served_model_name=MODEL_NAME, frontend_process=False) as srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            with socket.create_connection((host, int(port))) as sock:
+                head = (
+                    f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                )
+                sock.sendall(head.encode() + b'{"model":')
+        deadline = time.monotonic() + 20
+        while 'hfpaged_requests_rejected_total{status="499"} 2.0' not in httpx.get(srv.url + "/metrics").text:
+            assert time.monotonic() < deadline, "the two disconnects were never answered"
+            time.sleep(0.05)
+        good_request(OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60))
+    assert not [r for r in caplog.records if "Exception in ASGI application" in r.getMessage()]

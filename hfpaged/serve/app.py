@@ -12,7 +12,7 @@ from contextlib import AbstractAsyncContextManager
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from .chat import create_chat_completion
@@ -33,6 +33,12 @@ def build_app(ctx: ServingContext, lifespan: Callable[[FastAPI], AbstractAsyncCo
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         engine.metrics.requests_rejected.labels(str(exc.status_code)).inc()
         return JSONResponse(exc.body(), status_code=exc.status_code)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # the client left while sending its body: nothing ran and nobody reads the answer (no traceback in the log)
+        engine.metrics.requests_rejected.labels("499").inc()
+        return Response(status_code=499)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -66,7 +66,7 @@ async def create_chat_completion(ctx: ServingContext, http_request: Request) -> 
     ctx.check_model(request.model)
     if request.top_logprobs is not None and not request.logprobs:
         raise invalid_request("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
-    prompt = chat_prompt_token_ids(request.messages, ctx.tokenizer)
+    prompt = await ctx.off_loop(chat_prompt_token_ids, request.messages, ctx.tokenizer)
     num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
     kwargs = generate_kwargs(request, ctx.limits, num_logprobs=num_logprobs)
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens

@@ -49,7 +49,7 @@ async def create_completion(ctx: ServingContext, http_request: Request) -> Respo
         raise invalid_request(
             "`echo` with `logprobs` needs prompt log-probs, which hfpaged does not compute", param="echo"
         )
-    prompts, texts = prompt_token_ids(request.prompt, ctx.tokenizer)
+    prompts, texts = await ctx.off_loop(prompt_token_ids, request.prompt, ctx.tokenizer)
     kwargs = generate_kwargs(request, ctx.limits, num_logprobs=request.logprobs)
     budgets = [
         completion_budget(request.max_tokens, len(p), ctx.limits, default=DEFAULT_MAX_TOKENS, prompt_param="prompt")

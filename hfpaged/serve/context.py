@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from .engine_client import EngineClient
 from .errors import model_not_found
 from .logprobs import TokenStrings
 from .request_params import ModelLimits
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -21,6 +26,15 @@ class ServingContext:
     limits: ModelLimits
     token_strings: TokenStrings
     created: int  # when the server started (unix time), for /v1/models
+    # tokenization and chat templates run here, one at a time, off the event loop: a huge prompt would otherwise
+    # stall every stream of this front end until it is tokenized (and found too long)
+    tokenizer_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="hfpaged-tokenizer")
+    )
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the tokenizer thread, awaited."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
 
     def check_model(self, requested: str | None) -> None:
         """404 unless ``requested`` is this server's model (or absent)."""

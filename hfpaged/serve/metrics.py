@@ -115,7 +115,10 @@ class ServerMetrics:
             registry=registry,
         )
         self.requests_rejected = Counter(
-            "hfpaged_requests_rejected", "HTTP requests refused, by status code.", ["status"], registry=registry
+            "hfpaged_requests_rejected",
+            "HTTP requests refused, by status code (499: the client left while sending its body).",
+            ["status"],
+            registry=registry,
         )
         self.api_server_requests = Counter(
             "hfpaged_api_server_requests",
