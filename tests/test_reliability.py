@@ -482,3 +482,27 @@ def test_numpy_eos_ids_are_taken_as_generate_takes_them(model):
         with pytest.raises(ValueError, match="eos_token_id must be an int or a list of ints"):
             model.generate_many(prompts, max_new_tokens=8, eos_token_id=bad)
     assert all_free(model)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw-fused", "sgd-fused"])
+def test_a_fused_optimizer_step_drops_the_stale_prefix_cache(model, optimizer):
+    """Fused optimizers (AdamW(fused=True): the Trainer's default on recent torch) write parameters without bumping
+    their version counters; a probe found later prompts then hit prefix blocks of the old weights."""
+    prompts = random_prompts([13, 9], seed=17)
+    shared = [prompts[0] + p for p in prompts]
+    assert exact(model, shared) and exact(model, shared)
+    assert hfpaged.stats(model)["prefix_cache_hits"] > 0
+    params = [p for p in model.parameters() if p.requires_grad]
+    if optimizer == "adamw-fused":
+        opt = torch.optim.AdamW(params, lr=0.05, fused=True)
+    else:
+        opt = torch.optim.SGD(params, lr=0.5, fused=True)
+    versions = [p._version for p in params]
+    model.train()
+    model(torch.tensor([shared[0]]), labels=torch.tensor([shared[0]])).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    model.eval()
+    assert [p._version for p in params] == versions  # what the version counters alone miss
+    assert exact(model, shared)
+    assert all_free(model)

@@ -4,10 +4,13 @@ in-place writes, buffers, PEFT adapter settings, forward hooks), and where its a
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
 from torch.nn.modules import module as nn_module
+from torch.optim import optimizer as torch_optimizer
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from .peft_compat import adapter_layers, adapter_state, inner_model
 
@@ -18,11 +21,35 @@ def _version(tensor: torch.Tensor) -> int:
     return -1 if tensor.is_inference() else tensor._version
 
 
+# Fused optimizers (AdamW(fused=True), the Trainer's default on recent torch) write parameters without bumping their
+# version counters: torch's global post-step hook marks each parameter an optimizer stepped with the step's number.
+_STEPPED = WeakTensorKeyDictionary()
+_STEP_NUMBERS = itertools.count(1)
+_last_step = 0
+_hook = None
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    global _last_step
+    _last_step = step = next(_STEP_NUMBERS)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            _STEPPED[param] = step
+
+
+def watch_optimizer_steps() -> None:
+    """Register (once) the hook that marks parameters stepped by any ``torch.optim.Optimizer``."""
+    global _hook
+    if _hook is None:
+        _hook = torch_optimizer.register_optimizer_step_post_hook(_after_optimizer_step)
+
+
 class WeightsVersion:
     """A cheap fingerprint of what a model computes: where each parameter lives, how often it (and each buffer) was
     written in place, (PEFT models) which adapters its layers apply, and which forward hooks its modules (or all
     modules, torch's global hooks) run: a hook added or removed counts as new storage, as it changes what the
-    graphs captured and the cached prefix blocks hold. Storage is told apart by address and by identity (a weak
+    graphs captured and the cached prefix blocks hold. A parameter an optimizer stepped counts as written in place
+    (fused optimizers leave the version counter alone). Storage is told apart by address and by identity (a weak
     reference to each parameter's storage object): a tensor rebound through ``param.data = new`` counts as new
     storage even where the allocator hands it the old address. Writes *through* ``param.data`` bypass the
     version counter: after them call ``hfpaged.reset_prefix_cache`` (README, "Changed weights").
@@ -34,6 +61,8 @@ class WeightsVersion:
     """
 
     def __init__(self, model: torch.nn.Module):
+        watch_optimizer_steps()
+        self.steps_seen = _last_step
         self.adapter_layers = adapter_layers(model)
         self.modules = list(model.modules())[1:]
         self.children = self._children(model)
@@ -41,6 +70,14 @@ class WeightsVersion:
 
     def _children(self, model: torch.nn.Module) -> tuple[int, ...]:
         return tuple(id(child) for module in (model, *self.modules) for child in module._modules.values())
+
+    def _stepped(self, model: torch.nn.Module) -> bool:
+        """Whether an optimizer stepped one of the model's parameters since the last check (read only after steps)."""
+        seen, self.steps_seen = self.steps_seen, _last_step
+        if seen == _last_step:
+            return False
+        modules = (model, *self.modules)
+        return any(_STEPPED.get(p, 0) > seen for m in modules for p in m._parameters.values() if p is not None)
 
     def read(self, model: torch.nn.Module) -> tuple[tuple, tuple, tuple]:
         modules = (model, *self.modules)
@@ -64,9 +101,10 @@ class WeightsVersion:
             self.modules = list(model.modules())[1:]
             self.adapter_layers = adapter_layers(model)
             self.children = self._children(model)
+        stepped = self._stepped(model)
         storage, versions, adapters = self.read(model)
         rewired = tree_changed or storage != self.storage or adapters != self.adapters
-        changed = rewired or versions != self.versions
+        changed = rewired or stepped or versions != self.versions
         self.storage, self.versions, self.adapters = storage, versions, adapters
         return changed, rewired
 
