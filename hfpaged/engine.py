@@ -91,6 +91,8 @@ class EngineCore:
                     f"({len(self.scheduler.waiting)} waiting, {len(self.scheduler.running)} running, "
                     f"{len(self.scheduler.swapped)} swapped, {self.kv.num_free_blocks} of {self.kv.num_blocks} blocks free)"
                 )
+            if self.in_flight is not None and not self.scheduler.has_unfinished():
+                self.in_flight = None  # launched for requests that have finished since (eos): its tokens are nobody's
         except torch.OutOfMemoryError as error:
             self.recover()
             raise torch.OutOfMemoryError(self._out_of_memory_message(scheduler_output, error)) from error

@@ -242,3 +242,21 @@ def test_prompt_learning_adapters_are_refused_at_patch(kind):
     with pytest.raises(ValueError, match=f"prompt-learning adapters \\({config.peft_type.value}\\)"):
         hfpaged.patch(model, num_blocks=48, block_size=4)
     assert not hasattr(model.get_base_model(), "_hfpaged") and not hasattr(model.get_base_model(), "generate_many")
+
+
+def test_a_call_whose_requests_end_at_eos_leaves_the_engine_idle():
+    """With overlapped steps the step after a request's eos is already launched when the eos is read; a probe found
+    it kept in flight, so ``sleep`` refused ("0 requests run") and ``sleep_when_idle`` left the pool allocated."""
+    model = make_model("llama")
+    prompt = random_prompts([1], seed=1)[0]
+    expected = reference_generate(model, [prompt], max_new_tokens=12, do_sample=False)
+    assert expected[0][-1] == model.generation_config.eos_token_id and len(expected[0]) < 12  # ends at eos
+    hfpaged.patch(model, num_blocks=32, block_size=4)
+    got = model.generate_many([prompt], max_new_tokens=12, do_sample=False)
+    assert [r.token_ids for r in got] == expected
+    assert model._hfpaged.engine.num_overlapped_steps > 0
+    hfpaged.sleep(model)
+    assert hfpaged.stats(model)["asleep"]
+    hfpaged.patch(model, num_blocks=32, block_size=4, sleep_when_idle=True)
+    assert [r.token_ids for r in model.generate_many([prompt], max_new_tokens=12, do_sample=False)] == expected
+    assert hfpaged.stats(model)["asleep"]
