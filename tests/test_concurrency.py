@@ -188,3 +188,30 @@ def test_a_suspended_stream_does_not_block_a_call_that_fits_alone(model):
     tokens = {i: rest.get(i, []) for i in range(len(prompts))}
     tokens[first.index] = first.token_ids + tokens[first.index]
     assert [tokens[i] for i in range(len(prompts))] == expected
+
+
+def test_autocast_around_a_call_or_patch_is_ignored_and_said_so():
+    """The engine's steps are shared by every caller: one caller's ``torch.autocast`` decided the numbers of
+    another's requests (a probe: a float32 caller beside one under bf16 autocast got other tokens in every call),
+    and autocast around ``patch`` made a bfloat16 pool for a float32 GPT-2. Both now run in the model's dtype."""
+    model = make_model("gpt2", seed=5)
+    prompts = random_prompts([5, 9, 13, 20], seed=3)
+    expected = reference_generate(model, prompts, max_new_tokens=10, do_sample=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hfpaged.patch(model, num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=24)
+    assert hfpaged.stats(model)["kv_cache_dtype"] == "float32"
+    results = {}
+
+    def call(name, autocast):
+        def run():
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                for i in range(3):
+                    got = model.generate_many(prompts, max_new_tokens=10, do_sample=False)
+                    results[name, i] = [r.token_ids for r in got]
+
+        return run
+
+    with pytest.warns(UserWarning, match="hfpaged ignores torch.autocast"):
+        run_threads(call("plain", False), call("autocast", True))
+    assert all(tokens == expected for tokens in results.values()) and len(results) == 6
+    assert hfpaged.stats(model)["num_free_blocks"] == hfpaged.stats(model)["num_blocks"]

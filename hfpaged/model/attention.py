@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,7 +112,7 @@ def paged_forward(configs: list, forward_lock: threading.RLock) -> Iterator[None
 
     Holds the model's forward lock throughout (stock forwards wait for it), and always switches back.
     """
-    with forward_lock:
+    with forward_lock, no_autocast():
         saved = [hf_compat.get_attn_implementation(cfg) for cfg in configs]
         for cfg, value in zip(configs, saved):
             _saved_implementations[id(cfg)] = value
@@ -122,6 +123,29 @@ def paged_forward(configs: list, forward_lock: threading.RLock) -> Iterator[None
             for cfg, value in zip(configs, saved):
                 hf_compat.set_attn_implementation(cfg, value)
                 _saved_implementations.pop(id(cfg), None)
+
+
+@contextmanager
+def no_autocast() -> Iterator[None]:
+    """``torch.autocast`` off for a paged forward or step: the engine's steps are shared by every caller, so one
+    caller's autocast must not decide another's numbers (nor patch's probes the pool's dtype); they run in the
+    model's own dtype."""
+    with ExitStack() as stack:
+        for device in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
+def warn_if_autocast() -> None:
+    """A call made under ``torch.autocast`` is told that its steps run in the model's dtype all the same."""
+    if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
+        warnings.warn(
+            "hfpaged ignores torch.autocast: the engine's steps are shared by every caller and run in the model's "
+            "own dtype (stock generate under autocast computes in the autocast dtype instead). To generate in "
+            "bfloat16, cast the model, e.g. model.to(torch.bfloat16), before hfpaged.patch",
+            stacklevel=4,
+        )
 
 
 @contextmanager

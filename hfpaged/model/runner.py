@@ -25,7 +25,7 @@ import torch
 from ..core.block_pool import cdiv
 from ..core.scheduler_output import SchedulerOutput
 from ..sampling.sampler import Sampler, StepResult, all_plain_greedy
-from .attention import PagedStep, eval_mode, paged_forward
+from .attention import PagedStep, eval_mode, no_autocast, paged_forward
 from .cuda_graphs import StepGraphs, short_prompt_hint
 from .fused_projections import fused_step
 from .gc_heap import HeapFreeze
@@ -108,9 +108,10 @@ class ModelRunner:
     # --- one step -------------------------------------------------------------------------------
 
     @torch.inference_mode()
+    @no_autocast()
     def execute(self, out: SchedulerOutput) -> StepResult | None:
         """Launch one step; None when nothing is scheduled. The batch is brought up to date and the block
-        copies run either way: a step that only preempts still swaps its victims out."""
+        copies run either way: a step that only preempts still swaps its victims out (autocast off throughout)."""
         self.batch.update(out)
         if out.swap_out or out.swap_in:
             self._swap(out)
