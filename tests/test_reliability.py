@@ -506,3 +506,24 @@ def test_a_fused_optimizer_step_drops_the_stale_prefix_cache(model, optimizer):
     assert [p._version for p in params] == versions  # what the version counters alone miss
     assert exact(model, shared)
     assert all_free(model)
+
+
+def test_two_models_sharing_attention_modules_are_refused_until_the_first_is_unpatched():
+    """``c.model = b.model`` (one backbone, two heads): patching both bound the shared modules to c's pool while b's
+    engine kept its own block allocator, and a probe saw b's steps overwrite c's cached prefix blocks."""
+    b, c = make_model("llama"), make_model("llama", seed=5)
+    c.model = b.model
+    hfpaged.patch(b, num_blocks=32, block_size=4)
+    with pytest.raises(ValueError, match="belongs to another patched model too"):
+        hfpaged.patch(c, num_blocks=32, block_size=4)
+    assert not hasattr(c, "_hfpaged")
+    prompts = random_prompts([9], seed=3)
+    assert [r.token_ids for r in b.generate_many(prompts, max_new_tokens=6)] == stock_of(b, prompts)
+    hfpaged.patch(b, num_blocks=24, block_size=4)  # patching the same model again is fine
+    hfpaged.unpatch(b)
+    hfpaged.patch(c, num_blocks=32, block_size=4)
+    assert [r.token_ids for r in c.generate_many(prompts, max_new_tokens=6)] == stock_of(c, prompts)
+
+
+def stock_of(m, prompts):
+    return reference_generate(m, prompts, max_new_tokens=6, do_sample=False)

@@ -187,6 +187,7 @@ def _attach(
     attn_configs = collect_configs(model)
     lock = threading.RLock()
     layers = discover_layers(model, attn_configs, input_device, lock)
+    _check_owners(model, layers)
     long_rope = find_long_rope(model, input_device, lock)
     rope_limit = hf_compat.rope_length_limit(model, served=("longrope",) if long_rope is not None else ())
     model_len = max_model_len(model)
@@ -245,6 +246,8 @@ def _attach(
         for layer, scales in zip(layers, state.kv_scales):
             layer.module._hfpaged_kv_scale = (scales, scales[0:1], scales[1:2])  # whole, k_scale, v_scale views
     bind_caches(state, kv_caches)
+    for layer in layers:
+        layer.module._hfpaged_owner = weakref.ref(model)
     state.previous_forward = _wrap_forward(model, lock)
     gib = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv_caches) / 2**30
     logger.info(
@@ -258,6 +261,20 @@ def _attach(
     )
     model._hfpaged = state
     return state
+
+
+def _check_owners(model: torch.nn.Module, layers: list[LayerRecord]) -> None:
+    """Refuse attention modules another live patched model holds (``c.model = b.model``): each model binds its own
+    pool to them, and the two would write each other's blocks."""
+    for index, layer in enumerate(layers):
+        ref = layer.module.__dict__.get("_hfpaged_owner")
+        owner = ref() if ref is not None else None
+        if owner is not None and owner is not model:
+            raise ValueError(
+                f"attention layer {index} ({type(layer.module).__name__}) belongs to another patched model too "
+                f"({type(owner).__name__} at {id(owner):#x}): two patched models cannot share attention modules, each "
+                "binds its own KV pool to them; unpatch the other model first"
+            )
 
 
 def check_dependent_launch(layers: list[LayerRecord], attention_backend: str) -> None:
@@ -331,6 +348,7 @@ def detach(model: PreTrainedModel) -> None:
             state.local_tp.close()
         for layer in state.layers:
             layer.module.__dict__.pop("_hfpaged_kv_scale", None)
+            layer.module.__dict__.pop("_hfpaged_owner", None)
         if getattr(model.__dict__.get("forward"), "_hfpaged_forward", False):
             del model.forward
             if state.previous_forward is not None:
