@@ -24,7 +24,7 @@ from .core.request import Request
 from .core.scheduler import Scheduler
 from .core.scheduler_output import SchedulerOutput
 from .model.attach import PatchState, get_state, reallocate_caches, release_caches
-from .model.attention import warn_if_autocast
+from .model.attention import check_attention_implementation, warn_if_autocast
 from .model.runner import ModelRunner
 from .model.tensor_parallel import check_lockstep
 from .model.weights_version import moved_message, placement
@@ -240,6 +240,7 @@ class EngineCore:
         requests' blocks hold K/V quantized with the old scales)."""
         state = self.state
         warn_if_autocast()
+        check_attention_implementation(state.attn_configs)
         changed, rewired = state.weights.check(model)
         if changed:
             with self.lock:

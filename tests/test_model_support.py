@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 import transformers
-from models import TINY_TEXT, generate_in_threads
+from models import TINY_TEXT, generate_in_threads, make_model, random_prompts, reference_generate
 from transformers import AutoModelForCausalLM
 
 import hfpaged
@@ -232,3 +232,30 @@ def test_heads_wider_than_the_triton_kernels_take_run_the_torch_attention(monkey
     hfpaged.patch(narrow, num_blocks=16)
     monkeypatch.setattr(type(model._hfpaged), "uses_cuda", property(lambda self: True))  # as on a GPU
     assert not model._hfpaged.use_triton and narrow._hfpaged.use_triton
+
+
+def test_an_attention_function_registered_outside_transformers_is_refused():
+    """A function registered with ``AttentionInterface.register`` and selected before or after ``patch`` was
+    silently replaced by the paged kernels' standard attention (a probe); it is refused, at patch or per call."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def halved_sdpa(module, query, key, value, mask, **kwargs):
+        out, weights = sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+        return out * 0.5, weights
+
+    AttentionInterface.register("halved_sdpa_test", halved_sdpa)
+    prompts = random_prompts([5, 9], seed=3)
+    model = make_model("llama")
+    model.set_attn_implementation("halved_sdpa_test")
+    with pytest.raises(ValueError, match="'halved_sdpa_test' is a function registered outside transformers"):
+        hfpaged.patch(model, num_blocks=32, block_size=4)
+    model.set_attn_implementation("sdpa")
+    hfpaged.patch(model, num_blocks=32, block_size=4)
+    model.set_attn_implementation("halved_sdpa_test")
+    with pytest.raises(ValueError, match="registered outside transformers"):
+        model.generate_many(prompts, max_new_tokens=4)
+    model.set_attn_implementation("eager")
+    got = model.generate_many(prompts, max_new_tokens=4, do_sample=False)
+    assert [r.token_ids for r in got] == reference_generate(model, prompts, max_new_tokens=4, do_sample=False)
+    assert hfpaged.stats(model)["num_free_blocks"] == hfpaged.stats(model)["num_blocks"]

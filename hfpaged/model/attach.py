@@ -23,7 +23,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from ..core.config import EngineConfig
 from . import hf_compat
-from .attention import LayerRecord
+from .attention import LayerRecord, check_attention_implementation
 from .fused_projections import FusedProjections, fuse_projections
 from .kv_cache import (
     allocate_caches,
@@ -185,6 +185,7 @@ def _attach(
 ) -> PatchState:
     input_device = model.get_input_embeddings().weight.device
     attn_configs = collect_configs(model)
+    check_attention_implementation(attn_configs)
     lock = threading.RLock()
     layers = discover_layers(model, attn_configs, input_device, lock)
     _check_owners(model, layers)

@@ -137,6 +137,21 @@ def no_autocast() -> Iterator[None]:
         yield
 
 
+def check_attention_implementation(configs: list) -> None:
+    """Refuse an attention function registered outside transformers (``AttentionInterface.register``): the paged
+    kernels compute standard softmax attention, and whether the user's function does cannot be told."""
+    for cfg in configs:
+        name = hf_compat.get_attn_implementation(cfg)
+        function = None if name in (None, "eager", ATTENTION_NAME) else ALL_ATTENTION_FUNCTIONS.get(name)
+        if function is not None and not getattr(function, "__module__", "").startswith("transformers."):
+            raise ValueError(
+                f"the model's attention implementation {name!r} is a function registered outside transformers "
+                f"({getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', '?')}): hfpaged runs "
+                "standard softmax attention in its place and cannot tell whether yours computes the same. Select a "
+                "built-in one (model.set_attn_implementation('sdpa'), 'eager', ...) or unpatch the model"
+            )
+
+
 def warn_if_autocast() -> None:
     """A call made under ``torch.autocast`` is told that its steps run in the model's dtype all the same."""
     if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
