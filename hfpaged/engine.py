@@ -20,7 +20,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from .core.kv_manager import KVManager
-from .core.request import Request
+from .core.request import Request, is_prompt_finished
 from .core.scheduler import Scheduler
 from .core.scheduler_output import SchedulerOutput
 from .model.attach import PatchState, get_state, reallocate_caches, release_caches
@@ -239,8 +239,11 @@ class EngineCore:
         Calibrated fp8 scales are computed again at the first step that starts with nothing running (the running
         requests' blocks hold K/V quantized with the old scales)."""
         state = self.state
+        try:
+            check_attention_implementation(state.attn_configs)
+        except ReferenceError:  # the model was unpatched, or patched again, since this handle was made
+            raise RuntimeError("this engine handle's model was unpatched or patched again: make a new one") from None
         warn_if_autocast()
-        check_attention_implementation(state.attn_configs)
         changed, rewired = state.weights.check(model)
         if changed:
             with self.lock:
@@ -258,11 +261,6 @@ class EngineCore:
             with self.lock:
                 if not self.has_unfinished():  # fp8: new weights, new K/V ranges; no block holds old KV
                     state.calibration_pending, state.recalibrate_when_idle = True, False
-
-
-def is_prompt_finished(root: Request) -> bool:
-    """Whether every sequence of the prompt whose first request is ``root`` has finished."""
-    return root.num_forks_pending == 0 and all(m.is_finished for m in root.members)
 
 
 def _orphaned(orphans: deque[str], prompts: dict[str, Request]) -> None:

@@ -21,9 +21,9 @@ from typing import Any
 
 from transformers import GenerationConfig, PreTrainedModel
 
-from .core.request import Request
+from .core.request import Request, is_prompt_finished
 from .detokenizer import IncrementalDetokenizer
-from .engine import Client, is_prompt_finished
+from .engine import Client
 from .generate import build_result, prepare, raise_if_failed
 from .outputs import GenerationResult, RequestOutput
 

@@ -527,3 +527,17 @@ def test_two_models_sharing_attention_modules_are_refused_until_the_first_is_unp
 
 def stock_of(m, prompts):
     return reference_generate(m, prompts, max_new_tokens=6, do_sample=False)
+
+
+@pytest.mark.parametrize("how", ["unpatch", "patch again"])
+def test_an_engine_handle_of_an_unpatched_model_says_so(how):
+    model = make_model("llama")
+    hfpaged.patch(model, num_blocks=32, block_size=4)
+    engine = hfpaged.Engine(model)
+    if how == "unpatch":
+        hfpaged.unpatch(model)
+    else:
+        hfpaged.patch(model, num_blocks=24, block_size=4)
+    with pytest.raises(RuntimeError, match="model was unpatched or patched again: make a new one"):
+        engine.add_request([5, 6, 7], max_new_tokens=3)
+    assert engine.step() == [] and not engine.has_unfinished()

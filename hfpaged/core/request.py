@@ -140,3 +140,8 @@ class Request:
             f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
             f"status={self.status.value})"
         )
+
+
+def is_prompt_finished(root: Request) -> bool:
+    """Whether every sequence of the prompt whose first request is ``root`` has finished."""
+    return root.num_forks_pending == 0 and all(m.is_finished for m in root.members)
