@@ -113,6 +113,23 @@ def test_plain_settings_print_the_same_in_every_process():
     assert plain_settings(list(range(20_000))) == ("list", 20_000)
 
 
+def test_plain_settings_reach_a_user_processors_fields_where_check_lockstep_nests_them():
+    """``check_lockstep`` compares (generation config, [(stage kind, rank, processor)]): a probe found a user
+    processor's fields below the depth cut, so ranks banning different tokens were not refused (wrong tokens)."""
+
+    class Ban:
+        def __init__(self, token):
+            self.token = token
+
+        def __call__(self, input_ids, scores):
+            return scores
+
+    def settings(token):
+        return plain_settings(({"do_sample": False}, [("LOGITS", 0, Ban(token))]))
+
+    assert settings(5) == settings(5) and settings(5) != settings(6)
+
+
 def test_an_unsharded_model_has_no_tensor_parallel_group():
     model = make_model("llama")
     hfpaged.patch(model, num_blocks=8)

@@ -130,14 +130,15 @@ def check_heads(model: torch.nn.Module, world_size: int) -> None:
 
 def plain_settings(value: Any, depth: int = 0) -> Any:
     """``value`` as plain data that prints the same in every process (no addresses): numbers, strings, nested
-    containers, tensors by their values; other objects by type and attributes (a few levels deep), modules and
+    containers, tensors by their values; other objects by type and attributes (8 levels deep: a user processor's
+    fields sit at level 5 of ``check_lockstep``'s settings), modules and
     callables by type alone. What a request's processors and generation config hold, for the ranks' comparison."""
     if value is None or isinstance(value, (bool, int, float, str, bytes)):
         return value
     if isinstance(value, torch.Tensor):
         flat = value.detach().flatten()
         return ("tensor", tuple(value.shape), str(value.dtype), flat[:4096].tolist(), float(flat.double().sum()))
-    if depth >= 4 or isinstance(value, torch.nn.Module) or callable(value) and not hasattr(value, "__dict__"):
+    if depth >= 8 or isinstance(value, torch.nn.Module) or callable(value) and not hasattr(value, "__dict__"):
         return type(value).__qualname__
     if isinstance(value, (dict, list, tuple, set, frozenset)) and len(value) > 10_000:
         return (type(value).__qualname__, len(value))  # a vocabulary-sized table held by an object: its size
