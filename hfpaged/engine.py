@@ -261,6 +261,7 @@ class EngineCore:
             with self.lock:
                 if not self.has_unfinished():  # fp8: new weights, new K/V ranges; no block holds old KV
                     state.calibration_pending, state.recalibrate_when_idle = True, False
+                    self.kv.reset_prefix_cache()  # blocks stored since the change hold the old scales' values
 
 
 def _orphaned(orphans: deque[str], prompts: dict[str, Request]) -> None:

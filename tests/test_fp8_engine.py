@@ -185,6 +185,30 @@ def test_weights_changed_while_requests_run_recalibrate_once_nothing_runs():
     )
 
 
+def test_blocks_cached_between_a_weight_change_and_the_recalibration_are_not_reused():
+    """Requests that ran after the weights changed (while old K/V was still in use) stored blocks quantized with the
+    old scales; the recalibration once idle must drop them too (a probe found them hit and read with the new
+    scales: K off by the change's factor, other tokens than recomputing)."""
+    model = make_model("llama", seed=0)
+    hfpaged.patch(model, num_blocks=128, block_size=4, kv_cache_dtype="fp8")
+    first, running, shared = random_prompts([80, 10, 64], seed=4)
+    model.generate_many([first], max_new_tokens=1, do_sample=False)  # calibrates
+    engine = hfpaged.Engine(model)
+    engine.add_request(running, max_new_tokens=60, do_sample=False)
+    engine.step()
+    with torch.no_grad():
+        for module in attention_modules(model):
+            module.k_proj.weight.mul_(3.0)
+            module.v_proj.weight.mul_(3.0)
+    engine.add_request(shared, max_new_tokens=2, do_sample=False)  # runs to the end: its prompt blocks are cached
+    while engine.has_unfinished():
+        engine.step()
+    extended = [shared + [7, 8, 9]]
+    got = model.generate_many(extended, max_new_tokens=12, do_sample=False)[0].token_ids  # recalibrates
+    hfpaged.patch(model, num_blocks=128, block_size=4, kv_cache_dtype="fp8", max_num_seqs=8)  # fresh, same scales
+    assert got == model.generate_many(extended, max_new_tokens=12, do_sample=False)[0].token_ids
+
+
 # ---- GPU: Triton kernels, CUDA graphs, compile, memory-sized pool ---------------------------------------
 
 
