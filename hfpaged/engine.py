@@ -46,7 +46,7 @@ class EngineCore:
             num_cpu_blocks=state.num_cpu_blocks,
             counters=state.counters,
         )
-        self.scheduler = Scheduler(config, self.kv)
+        self.scheduler = Scheduler(config, self.kv, state.max_model_len)
         self.runner = ModelRunner(model, state)
         self.prompts = PromptMaker(model, state)
         self.prompts.in_use = self.scheduler.requests.__contains__  # generated ids skip the ids callers chose

@@ -275,3 +275,20 @@ def test_is_ready_follows_the_device_copy():
 
     core = greedy_core_of_a_short_run(make_model("llama").cuda())
     assert core.num_overlapped_steps > 0 and 0 <= core.num_ready_reads <= core.num_overlapped_steps
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("arch", ["gpt2", "gptj"])
+def test_an_eos_at_the_last_position_of_a_learned_position_table_is_not_planned_past_it(device, arch):
+    """Stock stops a request whose token at the model's last position is an eos; the overlapped step planned one
+    more forward at the first position past the table (an IndexError on the CPU, a device-side assert on CUDA, and
+    every prompt of the step failed with it). A placeholder past the model's positions now waits to be read."""
+    model = make_model(arch, seed=5, n_positions=32).to(device)
+    prompt, short = random_prompts([32, 5], seed=32)
+    eos = reference_generate(model, [prompt], max_new_tokens=1, do_sample=False)[0][0]
+    expected = reference_generate(model, [prompt, short], max_new_tokens=2, do_sample=False, eos_token_id=eos)
+    assert len(expected[0]) == 1  # ends at the eos, at position 32 of 32
+    hfpaged.patch(model, num_blocks=64, block_size=4)
+    got = model.generate_many([prompt, short], max_new_tokens=2, do_sample=False, eos_token_id=eos)
+    assert [r.token_ids for r in got] == expected
+    assert_pool_free(model)

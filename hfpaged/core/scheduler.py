@@ -39,9 +39,11 @@ COUNTER_NAMES = ("num_preemptions", "num_swapped_out", "prefix_cache_queries", "
 class Scheduler(SequenceGroups):
     """Waiting, running and swapped queues over one KV manager."""
 
-    def __init__(self, config: EngineConfig, kv: KVManager):
+    def __init__(self, config: EngineConfig, kv: KVManager, max_model_len: int | None = None):
         self.config = config
         self.kv = kv
+        # the model's positions (a learned position table has no more rows): a request is not planned ahead past it
+        self.max_model_len = max_model_len
         self.counters = kv.counters
         for key in COUNTER_NAMES:
             self.counters.setdefault(key, 0)
@@ -219,13 +221,16 @@ class Scheduler(SequenceGroups):
         restarted = len(out.preempted_ids)  # restarts leave admission open (they free blocks, never for room)
 
         # A request whose placeholder token (sampled by the step still in flight) ends it by length is not
-        # planned again: it finishes when that token is read back.
+        # planned again: it finishes when that token is read back. Nor is one whose placeholder would sit past the
+        # model's positions: stock stops there only at an eos, which the placeholder may be (it waits to be read).
         decodes, prefills = [], []
+        last_position = self.max_model_len or (1 << 62)
         for r in self.running:
             num_tokens = r.num_tokens
             behind = num_tokens - r.num_computed_tokens
             if behind == 1:
-                if not (r.num_output_placeholders and num_tokens >= r.params.max_length):
+                ahead = r.num_output_placeholders
+                if not (ahead and (num_tokens >= r.params.max_length or num_tokens > last_position)):
                     decodes.append((r, num_tokens))
             elif behind > 1:
                 prefills.append((r, num_tokens))
