@@ -290,11 +290,12 @@ class PromptMaker:
     def _validate_size(self, max_length: int, index: int | None, num_beams: int) -> None:
         """Raise ValueError (naming the prompt and the numbers) for a request that can never fit the pool."""
         block_size, num_blocks = self.state.config.block_size, self.state.num_blocks
-        if self.state.length_limit is not None and max_length > self.state.length_limit[0]:
+        # the last generated token is never forwarded: a request's forwards see max_length - 1 positions
+        if self.state.length_limit is not None and max_length - 1 > self.state.length_limit[0]:
             limit, why = self.state.length_limit
             raise ValueError(
-                f"{prompt_name(index)} may grow to {max_length} tokens, past the {limit} positions {why}; "
-                "lower max_new_tokens"
+                f"{prompt_name(index)} may grow to {max_length} tokens ({max_length - 1} forwarded), past the {limit} "
+                f"positions {why}; lower max_new_tokens"
             )
         # The last generated token never enters the cache: a request holds at most max_length - 1 slots.
         max_slots = max_length - 1

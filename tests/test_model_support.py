@@ -195,7 +195,7 @@ def test_a_model_exact_only_up_to_a_length_is_served_up_to_it_and_refuses_reques
     model = AutoModelForCausalLM.from_config(config).eval()
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 96, (n,), generator=gen).tolist() for n in (3, 9, 14)]
-    budgets = [16 - len(p) for p in prompts]  # every sequence ends at 16 positions at most
+    budgets = [17 - len(p) for p in prompts]  # every sequence forwards 16 positions at most (17 tokens)
     expected = [
         model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p) :].tolist()
         for p, n in zip(prompts, budgets)
@@ -205,8 +205,10 @@ def test_a_model_exact_only_up_to_a_length_is_served_up_to_it_and_refuses_reques
     got = model.generate_many([dict(prompt=p, max_new_tokens=n) for p, n in zip(prompts, budgets)], do_sample=False)
     assert [r.token_ids for r in got] == expected
     # one position further, the packed step could differ from stock's one-sequence forwards
-    with pytest.raises(ValueError, match=f"prompt 1 may grow to 17 tokens, past the 16 positions .*{re.escape(why)}"):
-        model.generate_many([prompts[0], prompts[2]], max_new_tokens=3, do_sample=False)
+    with pytest.raises(
+        ValueError, match=rf"prompt 1 may grow to 18 tokens \(17 forwarded\), past the 16 positions .*{re.escape(why)}"
+    ):
+        model.generate_many([prompts[0], prompts[2]], max_new_tokens=4, do_sample=False)
     assert hfpaged.stats(model)["num_free_blocks"] == 32
     assert [r.token_ids for r in model.generate_many(prompts[:1], max_new_tokens=budgets[0])] == expected[:1]
     # within the limit, swap preemption and three callers at once change nothing
