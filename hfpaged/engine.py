@@ -26,7 +26,7 @@ from .core.scheduler_output import SchedulerOutput
 from .model.attach import PatchState, get_state, reallocate_caches, release_caches
 from .model.attention import check_attention_implementation, warn_if_autocast
 from .model.runner import ModelRunner
-from .model.tensor_parallel import check_lockstep
+from .model.tensor_parallel import check_lockstep, making_requests
 from .model.weights_version import moved_message, placement
 from .outputs import RequestOutput, progress_output
 from .prompts import PromptMaker, check_tokenizer
@@ -361,40 +361,41 @@ class Engine(Client):
         """Queue several prompts at once, each with its own generate-style settings (``settings[i]``): all or
         none (a bad prompt or setting raises and queues nothing). The weights are checked once for all of them.
         Returns their ids."""
-        for name, value in (("prompts", prompts), ("settings", settings), ("request_ids", request_ids)):
-            if (value is not None or name != "request_ids") and not isinstance(value, (list, tuple)):
-                raise TypeError(f"add_requests: {name} must be a list, got {type(value).__name__}")
-        bad = next((i for i, kwargs in enumerate(settings) if not isinstance(kwargs, dict)), None)
-        if bad is not None:
-            raise TypeError(
-                f"add_requests: settings[{bad}] must be a dict of settings, got {type(settings[bad]).__name__}"
-            )
-        if len(settings) != len(prompts) or (request_ids is not None and len(request_ids) != len(prompts)):
-            raise ValueError(
-                f"add_requests needs one settings dict (and request id) per prompt: {len(prompts)} prompts, "
-                f"{len(settings)} settings" + ("" if request_ids is None else f", {len(request_ids)} request ids")
-            )
-        self.core.check_weights(self.model)
-        with self.core.lock:
-            requests, taken = [], set()
-            chosen = {request_id for request_id in request_ids or () if isinstance(request_id, str)}
-            for prompt, kwargs, request_id in zip(prompts, settings, request_ids or [None] * len(prompts)):
-                if kwargs.get("streamer") is not None:
-                    raise ValueError(
-                        "streamer= is for generate_many with one prompt; read Engine.step() outputs instead"
-                    )
-                if request_id is not None and (not isinstance(request_id, str) or "." in request_id):
-                    raise ValueError(
-                        f"request_id must be a string without '.', got {request_id!r} (hfpaged names the "
-                        "parallel samples and beams of a prompt '<request_id>.<n>')"
-                    )
-                if request_id is not None and (request_id in self.core.scheduler.requests or request_id in taken):
-                    raise ValueError(f"request_id {request_id!r} is already in use")
-                if request_id is None:
-                    request_id = self.core.prompts.new_id(chosen | taken)
-                taken.add(request_id)
-                kwargs = {key: value for key, value in kwargs.items() if key != "streamer"}
-                make = self.core.prompts.make_one
-                requests.append(make(prompt, generation_config, kwargs, self.tokenizer, request_id))
-            self.submit(requests)
+        with making_requests(self.core.state):  # tensor parallel: a rank's refusal is every rank's
+            for name, value in (("prompts", prompts), ("settings", settings), ("request_ids", request_ids)):
+                if (value is not None or name != "request_ids") and not isinstance(value, (list, tuple)):
+                    raise TypeError(f"add_requests: {name} must be a list, got {type(value).__name__}")
+            bad = next((i for i, kwargs in enumerate(settings) if not isinstance(kwargs, dict)), None)
+            if bad is not None:
+                raise TypeError(
+                    f"add_requests: settings[{bad}] must be a dict of settings, got {type(settings[bad]).__name__}"
+                )
+            if len(settings) != len(prompts) or (request_ids is not None and len(request_ids) != len(prompts)):
+                raise ValueError(
+                    f"add_requests needs one settings dict (and request id) per prompt: {len(prompts)} prompts, "
+                    f"{len(settings)} settings" + ("" if request_ids is None else f", {len(request_ids)} request ids")
+                )
+            self.core.check_weights(self.model)
+            with self.core.lock:
+                requests, taken = [], set()
+                chosen = {request_id for request_id in request_ids or () if isinstance(request_id, str)}
+                for prompt, kwargs, request_id in zip(prompts, settings, request_ids or [None] * len(prompts)):
+                    if kwargs.get("streamer") is not None:
+                        raise ValueError(
+                            "streamer= is for generate_many with one prompt; read Engine.step() outputs instead"
+                        )
+                    if request_id is not None and (not isinstance(request_id, str) or "." in request_id):
+                        raise ValueError(
+                            f"request_id must be a string without '.', got {request_id!r} (hfpaged names the "
+                            "parallel samples and beams of a prompt '<request_id>.<n>')"
+                        )
+                    if request_id is not None and (request_id in self.core.scheduler.requests or request_id in taken):
+                        raise ValueError(f"request_id {request_id!r} is already in use")
+                    if request_id is None:
+                        request_id = self.core.prompts.new_id(chosen | taken)
+                    taken.add(request_id)
+                    kwargs = {key: value for key, value in kwargs.items() if key != "streamer"}
+                    make = self.core.prompts.make_one
+                    requests.append(make(prompt, generation_config, kwargs, self.tokenizer, request_id))
+                self.submit(requests)
         return [request.request_id for request in requests]

@@ -58,6 +58,9 @@ def check_ranks(results: list[dict], num_kv_heads: int, arch: str, device: str) 
         assert result["mismatch_error"] and "different requests" in result["mismatch_error"]
         assert all(error and "different requests" in error for error in result["settings_errors"])
         assert result["max_time_error"] and "max_time" in result["max_time_error"]
+        assert all(error is not None for error in result["one_rank_errors"]), result["one_rank_errors"]
+        assert all("different requests" in error for error in result["one_rank_errors"][1:])
+        assert result["sampled_after_refusals"] == first["sampled_after_refusals"]
         assert result["free_after"][0] == result["free_after"][1]
         assert result["expected_changed"] != result["expected"]  # the change matters...
         assert result["greedy_changed"] == result["expected_changed"]  # ...and no stale prefix block is reused

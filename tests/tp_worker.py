@@ -15,13 +15,24 @@ import sys
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 import hfpaged
 from hfpaged.model.tp_local import local_kind
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import random_prompts, reference_generate
+
+
+class Ban(LogitsProcessor):
+    """Bans one token (a user processor: the ranks compare its fields)."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids, scores):
+        scores[:, self.token] = -float("inf")
+        return scores
 
 
 def ids_of(results) -> list[list[int]]:
@@ -100,6 +111,22 @@ def main() -> None:
         result["max_time_error"] = None
     except ValueError as error:
         result["max_time_error"] = str(error)
+    # refused on some ranks only (rank 1: a token outside the vocabulary; one more unseeded sampled prompt), or
+    # with a user processor whose values differ by rank: every rank raises, and the ranks stay in step (their
+    # seed generators too: unseeded sampling afterwards draws the same on every rank)
+    result["one_rank_errors"] = []
+    calls = (
+        dict(prompts=[prompts[0] + ([10**6] if rank == 1 else [])], max_new_tokens=4),
+        dict(prompts=prompts[: 2 + rank], max_new_tokens=4, do_sample=True),
+        dict(prompts=prompts[:2], max_new_tokens=4, logits_processor=LogitsProcessorList([Ban(5 + rank)])),
+    )
+    for call in calls:
+        try:
+            sharded.generate_many(**call)
+            result["one_rank_errors"].append(None)
+        except ValueError as error:
+            result["one_rank_errors"].append(str(error))
+    result["sampled_after_refusals"] = ids_of(sharded.generate_many(prompts, max_new_tokens=4, do_sample=True))
     result["greedy_after_errors"] = ids_of(
         sharded.generate_many(prompts, max_new_tokens=args.new_tokens, do_sample=False)
     )

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,8 @@ class TensorParallel:
     model_group: dist.ProcessGroup  # the mesh's own group (NCCL on GPUs): the forward's collectives
     world_size: int
     seed_generator: torch.Generator  # seeds for unseeded sampling, identical on every rank
+    seeds_at_call: torch.Tensor | None = None  # the generator's state when the call making requests began
+    checked: bool = False  # that call reached the ranks' comparison (every rank took part in it)
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's ``value``."""
@@ -166,14 +169,32 @@ def requests_fingerprint(prompts: Sequence[Sequence[int]], settings: Sequence[tu
     return int.from_bytes(digest.digest(), "little") >> 1
 
 
+@contextmanager
+def making_requests(state: Any) -> Iterator[None]:
+    """Around the making of a call's requests (``state``: the model's PatchState) on a tensor-parallel model: a
+    failure on some ranks (bad input, a refused setting) is told to the others, whose comparison then fails too,
+    and every rank's seed generator goes back to where the call found it, so the ranks stay in step."""
+    try:
+        tp = state.tp
+    except ReferenceError:  # a handle of an unpatched model: its call raises before anything is made
+        tp = None
+    if tp is None:
+        yield
+        return
+    tp.seeds_at_call, tp.checked = tp.seed_generator.get_state(), False
+    try:
+        yield
+    except BaseException:
+        tp.seed_generator.set_state(tp.seeds_at_call)
+        if not tp.checked:  # failed before the comparison: take part in it with a fingerprint no call has
+            tp.checked = True
+            with suppress(ValueError):
+                tp.check_same("requests", -1, -1)
+        raise
+
+
 def check_lockstep(tp: TensorParallel, requests: list[Request]) -> None:
     """Tensor parallel: ValueError unless every rank submits the same requests now (nothing is queued then)."""
-    for request in requests:
-        if request.params.stop.max_time is not None:
-            raise ValueError(
-                "max_time cannot be used with a tensor-parallel model: each rank's clock would stop its "
-                "requests at a different step"
-            )
     settings = [  # every setting that shapes a request's tokens: its generation config and its processors' data
         (
             p.max_length,
@@ -188,4 +209,16 @@ def check_lockstep(tp: TensorParallel, requests: list[Request]) -> None:
         for p in (request.params for request in requests)
     ]
     fingerprint = requests_fingerprint([request.prompt_token_ids for request in requests], settings)
-    tp.check_same("requests", fingerprint, len(requests))
+    tp.checked = True
+    try:
+        tp.check_same("requests", fingerprint, len(requests))
+        for request in requests:  # after the comparison: every rank refuses it together
+            if request.params.stop.max_time is not None:
+                raise ValueError(
+                    "max_time cannot be used with a tensor-parallel model: each rank's clock would stop its "
+                    "requests at a different step"
+                )
+    except ValueError:
+        if tp.seeds_at_call is not None:
+            tp.seed_generator.set_state(tp.seeds_at_call)
+        raise
