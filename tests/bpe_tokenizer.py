@@ -18,8 +18,8 @@ CORPUS = [
 ] * 20
 
 
-def make_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
-    """Byte-level BPE with ``vocab_size`` entries: 3 specials, 256 bytes, then merges."""
+def make_tokenizer(vocab_size: int = 320, corpus: list[str] = CORPUS) -> PreTrainedTokenizerFast:
+    """Byte-level BPE with ``vocab_size`` entries: 3 specials, 256 bytes, then merges (learned from ``corpus``)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -29,5 +29,5 @@ def make_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(CORPUS, trainer=trainer)
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>")

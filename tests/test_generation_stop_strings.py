@@ -103,21 +103,8 @@ def test_a_stop_string_can_start_in_the_prompt(model, tokenizer, prompts, plain,
 
 def other_tokenizer(size):
     """A byte-level BPE of another corpus with ``size`` entries: the same ids read as other strings."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=size,
-        special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
     words = "zebra xylophone quartz jukebox vexing wizard mmm nnn ooo ppp qqq rrr glyph fjord nymph crwth waltz"
-    backend.train_from_iterator([words, words.upper(), " ".join(w[::-1] for w in words.split())] * 20, trainer)
-    out = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    out = make_tokenizer(size, corpus=[words, words.upper(), " ".join(w[::-1] for w in words.split())] * 20)
     assert len(out) == size
     return out
 
