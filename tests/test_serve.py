@@ -247,6 +247,22 @@ def test_stop_strings_are_cut_from_the_text(client):
     assert streamed == text[:start]
 
 
+def test_a_stop_string_that_begins_in_the_prompt_cuts_the_completion_at_its_start(client):
+    # the engine stops as stock generate does (prompt and completion together); the text drops the stop string's
+    # completion part (a probe with a real model found " Paris." kept for stop="is Paris" after "... is")
+    settings = dict(model=MODEL_NAME, prompt="the stop", max_tokens=8, temperature=0, logit_bias=NO_EOS)
+    text = client.completions.create(**settings).choices[0].text
+    assert len(text) >= 3
+    stop = "stop" + text[:2]
+    whole = client.completions.create(stop=stop, **settings).choices[0]
+    assert whole.text == "" and whole.finish_reason == "stop"
+    streamed = list(client.completions.create(stop=[stop], stream=True, **settings))
+    assert "".join(c.choices[0].text for c in streamed) == "" and streamed[-1].choices[0].finish_reason == "stop"
+    inside = client.completions.create(stop="the", **settings).choices[0]  # wholly in the prompt: no stop there
+    cut = text.find("the")
+    assert inside.text == (text if cut < 0 else text[:cut])
+
+
 def test_a_stop_string_across_a_skipped_special_token_ends_streamed_and_whole_responses_alike(client, tokenizer):
     # text skips special tokens, so "a" <s> "b" reads "ab"; transformers' stop criteria see the token "<s>" between
     a, b, bos = (tokenizer.convert_tokens_to_ids(t) for t in ("a", "b", "<s>"))

@@ -75,8 +75,10 @@ class Generation:
         self.created = int(time.time())
         n = request.n
         stops = stop_strings(request)
+        longest = max(map(len, stops), default=0)  # a stop string may begin in the prompt's last characters
+        tails = [tokenizer.decode(p[-longest:], skip_special_tokens=True) if longest > 1 else "" for p in prompts]
         self.choices = [
-            Choice(index=p * n + j, prompt_index=p, text=IncrementalText(tokenizer, stops))
+            Choice(index=p * n + j, prompt_index=p, text=IncrementalText(tokenizer, stops, tails[p]))
             for p in range(len(prompts))
             for j in range(n)
         ]

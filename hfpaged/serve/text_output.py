@@ -5,7 +5,9 @@ last word, so the pieces add up to ``tokenizer.decode(ids)``.
 
 OpenAI leaves the stop string out of the text, while the engine keeps its tokens (as transformers does).
 So the text is searched for the stop strings, and while streaming any tail that could still become a stop
-string is held back until the next token decides.
+string is held back until the next token decides. The engine's stop strings, as stock ``generate``'s, may
+begin in the prompt: the search starts in the prompt's last characters (``context``), and the completion is
+cut where the stop string's completion part begins (at its start, then).
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from ..detokenizer import IncrementalDetokenizer
 class IncrementalText:
     """Text deltas of one generated sequence, given its growing list of generated ids."""
 
-    def __init__(self, tokenizer: Any, stop: list[str] | None = None):
+    def __init__(self, tokenizer: Any, stop: list[str] | None = None, context: str = ""):
         self.tokenizer = tokenizer
         self.stop = list(stop or [])
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
+        self.context = context[len(context) - self.max_stop_len + 1 :] if self.max_stop_len > 1 else ""
         self.decoder = IncrementalDetokenizer(tokenizer)
         self.decoded = ""  # everything decoded so far (cut at a stop string once one is seen)
         self.num_sent = 0  # characters of ``decoded`` handed out
@@ -53,11 +56,18 @@ class IncrementalText:
     def _cut_at_stop(self) -> None:
         if not self.stop:
             return
-        start = max(0, self.num_searched - self.max_stop_len + 1)
-        found = [pos for pos in (self.decoded.find(s, start) for s in self.stop) if pos >= 0]
+        text, offset = self.context + self.decoded, len(self.context)  # the prompt's tail, then the completion
+        start = max(0, offset + self.num_searched - self.max_stop_len + 1)
+        found = []
+        for stop in self.stop:  # the first match that reaches into the completion
+            pos = text.find(stop, start)
+            while pos >= 0 and pos + len(stop) <= offset:
+                pos = text.find(stop, pos + 1)
+            if pos >= 0:
+                found.append(pos)
         self.num_searched = len(self.decoded)
         if found:
-            self.decoded = self.decoded[: min(found)]
+            self.decoded = self.decoded[: max(0, min(found) - offset)]
             self.stopped = True
 
     def _stop_prefix_len(self) -> int:
