@@ -172,7 +172,9 @@ def save_random_model(name: str, dtype_name: str, vocab_size: int | None = None)
 
     path = os.path.join(CACHE, f"{name}-{dtype_name}" + (f"-vocab{vocab_size}" if vocab_size else ""))
     if os.path.exists(os.path.join(path, "config.json")):
-        return path
+        if GenerationConfig.from_pretrained(path).pad_token_id is None:
+            return path
+        shutil.rmtree(path)  # saved before pad_token_id went: id 0 is also the tokenizer's <unk>, in the prompts
     log(f"saving random weights in the {name} shape to {path} ...")
     spec = random_shape_spec(name)
     if vocab_size:
@@ -181,7 +183,8 @@ def save_random_model(name: str, dtype_name: str, vocab_size: int | None = None)
     config = AutoConfig.for_model(spec.pop("model_type"), eos_token_id=None, **spec)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype_name))
-    model.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=0, do_sample=False)
+    # no pad id: the word-level tokenizer's <unk> is id 0, and a pad id in a prompt is refused (stock masks it out)
+    model.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=None, do_sample=False)
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)

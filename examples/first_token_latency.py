@@ -7,6 +7,7 @@ For each prompt length it prints add_request -> first token (ms) and the host ti
 decode-only step times, and a cProfile of five mixed steps.
 """
 
+import argparse
 import cProfile
 import io
 import os
@@ -24,6 +25,7 @@ from hfpaged.engine import Engine
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     if not torch.cuda.is_available():
         sys.exit("first_token_latency.py needs a CUDA GPU")
     model = build_model("qwen3-0.6b", torch.bfloat16)
