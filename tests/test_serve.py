@@ -245,6 +245,15 @@ def test_stop_strings_are_cut_from_the_text(client):
     assert listed.text == text[:start] and listed.finish_reason == "stop"
     streamed = "".join(c.choices[0].text for c in client.completions.create(stop=[stop], stream=True, **settings))
     assert streamed == text[:start]
+    # log-probs keep a stop string's tokens (as usage counts them); their offsets stay inside the cut text
+    start = next(k for k in range(1, len(text) - 8) if text.find(text[k : k + 8]) == k and text[k - 1] != text[k])
+    cut = client.completions.create(stop=text[start : start + 8], logprobs=0, **settings).choices[0]
+    assert cut.text == text[:start] and len(cut.logprobs.tokens) > 2 and cut.logprobs.text_offset[-1] == start
+    assert cut.logprobs.text_offset == sorted(cut.logprobs.text_offset)
+    chunks = client.completions.create(stop=text[start : start + 8], logprobs=0, stream=True, **settings)
+    assert [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset] == (
+        cut.logprobs.text_offset
+    )
 
 
 def test_a_stop_string_that_begins_in_the_prompt_cuts_the_completion_at_its_start(client):

@@ -81,6 +81,7 @@ async def create_completion(ctx: ServingContext, http_request: Request) -> Respo
                 choice.logprobs or [],
                 choice.top_logprobs,
                 TextOffsets(ctx.tokenizer, len(echo)),
+                text_end=len(echo) + len(choice.text.text),
             )
         choices.append(
             {
@@ -115,6 +116,9 @@ async def _chunks(
                 delta.logprobs or [],
                 delta.top_logprobs,
                 text_offsets[index],
+                text_end=None
+                if delta.finish_reason is None
+                else len(echoes[delta.choice.prompt_index]) + len(delta.choice.text.text),
             )
         yield chunk(
             f'{{"index":{index},"text":{json_text(delta.text)},"logprobs":{json_text(logprobs)},'

@@ -100,8 +100,10 @@ def completion_logprobs(
     logprobs: list[float],
     top_logprobs: list[dict[int, float]] | None,
     offsets: TextOffsets,
+    text_end: int | None = None,
 ) -> dict[str, Any]:
-    """``choices[i].logprobs`` of ``/v1/completions``: tokens, token_logprobs, top_logprobs, text_offset."""
+    """``choices[i].logprobs`` of ``/v1/completions``: tokens, token_logprobs, top_logprobs, text_offset.
+    ``text_end``: the finished text's length, where a stop string cut it (its tokens then sit at the end)."""
     tops = []
     for top in top_logprobs or [{}] * len(token_ids):
         named: dict[str, float] = {}
@@ -112,7 +114,7 @@ def completion_logprobs(
         "tokens": [strings(t) for t in token_ids],
         "token_logprobs": [_finite(lp) for lp in logprobs],
         "top_logprobs": tops,
-        "text_offset": offsets(token_ids),
+        "text_offset": [o if text_end is None else min(o, text_end) for o in offsets(token_ids)],
     }
 
 
