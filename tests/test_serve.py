@@ -229,7 +229,7 @@ def test_n2_greedy_chat_stream(client):
     assert seen[0] == seen[1] != "" and finishes == {0: "length", 1: "length"}
 
 
-def test_stop_strings_are_cut_from_the_text(client):
+def test_stop_strings_are_cut_from_the_text(server, client):
     settings = dict(model=MODEL_NAME, prompt="question: what is", max_tokens=16, temperature=0, logit_bias=NO_EOS)
     text = client.completions.create(**settings).choices[0].text
     # a stop string that first occurs inside the text, away from its start
@@ -254,9 +254,10 @@ def test_stop_strings_are_cut_from_the_text(client):
     assert [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset] == (
         cut.logprobs.text_offset
     )
+    wait_until_idle(server)  # the stream's request is aborted once its text met the stop string
 
 
-def test_a_stop_string_that_begins_in_the_prompt_cuts_the_completion_at_its_start(client):
+def test_a_stop_string_that_begins_in_the_prompt_cuts_the_completion_at_its_start(server, client):
     # the engine stops as stock generate does (prompt and completion together); the text drops the stop string's
     # completion part (a probe with a real model found " Paris." kept for stop="is Paris" after "... is")
     settings = dict(model=MODEL_NAME, prompt="the stop", max_tokens=8, temperature=0, logit_bias=NO_EOS)
@@ -270,9 +271,12 @@ def test_a_stop_string_that_begins_in_the_prompt_cuts_the_completion_at_its_star
     inside = client.completions.create(stop="the", **settings).choices[0]  # wholly in the prompt: no stop there
     cut = text.find("the")
     assert inside.text == (text if cut < 0 else text[:cut])
+    wait_until_idle(server)  # requests whose text met a stop string are aborted after their answer
 
 
-def test_a_stop_string_across_a_skipped_special_token_ends_streamed_and_whole_responses_alike(client, tokenizer):
+def test_a_stop_string_across_a_skipped_special_token_ends_streamed_and_whole_responses_alike(
+    server, client, tokenizer
+):
     # text skips special tokens, so "a" <s> "b" reads "ab"; transformers' stop criteria see the token "<s>" between
     a, b, bos = (tokenizer.convert_tokens_to_ids(t) for t in ("a", "b", "<s>"))
     names = {a: "a", b: "b", bos: "_"}
@@ -294,6 +298,7 @@ def test_a_stop_string_across_a_skipped_special_token_ends_streamed_and_whole_re
         assert (whole.choices[0].finish_reason == "stop") == ("ab" in drawn.replace("_", ""))
         spanned += "ab" not in drawn[:used] and "ab" in drawn[:used].replace("_", "")
     assert spanned  # at least one seed met "ab" only across <s>
+    wait_until_idle(server)  # requests whose text met a stop string are aborted after their answer
 
 
 def test_logprobs(client):

@@ -116,9 +116,7 @@ async def _chunks(
                 delta.logprobs or [],
                 delta.top_logprobs,
                 text_offsets[index],
-                text_end=None
-                if delta.finish_reason is None
-                else len(echoes[delta.choice.prompt_index]) + len(delta.choice.text.text),
+                text_end=len(echoes[delta.choice.prompt_index]) + len(delta.choice.text.text),  # handed out so far
             )
         yield chunk(
             f'{{"index":{index},"text":{json_text(delta.text)},"logprobs":{json_text(logprobs)},'

@@ -103,7 +103,9 @@ def completion_logprobs(
     text_end: int | None = None,
 ) -> dict[str, Any]:
     """``choices[i].logprobs`` of ``/v1/completions``: tokens, token_logprobs, top_logprobs, text_offset.
-    ``text_end``: the finished text's length, where a stop string cut it (its tokens then sit at the end)."""
+    ``text_end``: the length of the text handed out (its end when a stop string cut it: the stop string's tokens
+    sit there). While streaming, a token whose text is held back (a possible stop string) sits at the end of what
+    was sent, so it may come before its place in the whole response's offsets."""
     tops = []
     for top in top_logprobs or [{}] * len(token_ids):
         named: dict[str, float] = {}
