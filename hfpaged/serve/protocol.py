@@ -124,11 +124,23 @@ def parse_request(raw: bytes, request_type: type[RequestT]) -> RequestT:
         raise invalid_request(f"The request body is not valid JSON: {exc}"[:300]) from None
     if not isinstance(data, dict):
         raise invalid_request(f"The request body must be a JSON object, got {type(data).__name__}")
+    try:  # json.loads takes nesting that the walks below (ours, pydantic's) may not
+        request = _validate(data, request_type)
+    except RecursionError:
+        raise invalid_request("The request body is nested too deeply") from None
+    if request.stream_options is not None and not request.stream:
+        raise invalid_request("`stream_options` is only allowed when `stream` is true", param="stream_options")
+    for index, message in enumerate(getattr(request, "messages", ())):
+        if message.content is None and message.role != "assistant":
+            param = f"messages[{index}].content"
+            raise invalid_request(f"Missing required parameter: `{param}` (a {message.role} message)", param=param)
+    return request
+
+
+def _validate(data: dict, request_type: type[RequestT]) -> RequestT:
+    """The parsed body as ``request_type``: lone surrogates, unsupported OpenAI fields, then the model's own rules."""
     for name, value in data.items():
-        try:
-            where = _invalid_text(value, name)
-        except RecursionError:
-            raise invalid_request("The request body is nested too deeply") from None
+        where = _invalid_text(value, name)
         if where is not None:
             raise invalid_request(f"`{where}` is not valid Unicode text (it holds a lone surrogate)", param=where)
     for name, (what, allowed) in UNSUPPORTED_FIELDS.items():
@@ -137,18 +149,9 @@ def parse_request(raw: bytes, request_type: type[RequestT]) -> RequestT:
             if value is not None and value not in allowed:
                 raise invalid_request(f"`{name}` is not supported by hfpaged serve ({what})", param=name)
     try:
-        request = request_type.model_validate(data)
-    except (ValidationError, RecursionError) as exc:
-        if isinstance(exc, RecursionError):
-            raise invalid_request("The request body is nested too deeply") from None
+        return request_type.model_validate(data)
+    except ValidationError as exc:
         raise _validation_error(exc) from None
-    if request.stream_options is not None and not request.stream:
-        raise invalid_request("`stream_options` is only allowed when `stream` is true", param="stream_options")
-    for index, message in enumerate(getattr(request, "messages", ())):
-        if message.content is None and message.role != "assistant":
-            param = f"messages[{index}].content"
-            raise invalid_request(f"Missing required parameter: `{param}` (a {message.role} message)", param=param)
-    return request
 
 
 def _invalid_text(value: Any, where: str) -> str | None:

@@ -79,7 +79,8 @@ def generate_kwargs(request: SamplingRequest, limits: ModelLimits, *, num_logpro
     """Sampling settings shared by every prompt and choice of ``request`` (no length, no seed offset).
 
     OpenAI's defaults apply to what the request leaves out (temperature 1, top_p 1); a temperature below 1e-5
-    is greedy, as in vLLM (dividing the logits by one of 1e-45 overflows float32). Settings OpenAI has no field for (top_k, repetition_penalty, ...) stay as the model's
+    is greedy, as in vLLM (dividing the logits by one of 1e-45 overflows float32). Settings OpenAI has no
+    field for (top_k, repetition_penalty, ...) stay as the model's
     ``generation_config`` says, as in ``generate``.
     """
     kwargs: dict[str, Any] = {}
