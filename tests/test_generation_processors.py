@@ -210,6 +210,39 @@ def test_a_user_criterion_of_a_built_in_type_replaces_generates_own(model, promp
     assert generate_in_threads(model, prompts, **kwargs) == [[e] for e in expected]  # three callers at once
 
 
+class CountThenRaise(StoppingCriteria):
+    """Counts its calls and raises once the ids reach ``raise_at`` tokens (never stops by itself)."""
+
+    def __init__(self, raise_at=None):
+        self.raise_at, self.calls = raise_at, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        if self.raise_at is not None and input_ids.shape[-1] >= self.raise_at:
+            raise RuntimeError("criterion raised at the eos step")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def test_a_user_criterion_runs_and_raises_at_the_eos_step(model, prompts, plain):
+    # generate's StoppingCriteriaList runs every criterion at every step, the one that emits eos included, and raises
+    # what a criterion raises (before: generate_many stopped at eos without calling the user's criteria, so their
+    # error was dropped and a stateful criterion was called one time fewer)
+    eos = plain[1][3]  # greedy emits it as the 4th token
+    kwargs = dict(max_new_tokens=NEW, do_sample=False, eos_token_id=eos)
+    stock, ours = CountThenRaise(), CountThenRaise()
+    expected = reference_generate(model, prompts[1:2], stopping_criteria=StoppingCriteriaList([stock]), **kwargs)
+    results = model.generate_many(prompts[1:2], stopping_criteria=StoppingCriteriaList([ours]), **kwargs)
+    assert [r.token_ids for r in results] == expected and expected[0] == plain[1][:4]
+    assert results[0].finish_reason == "stop" and ours.calls == stock.calls == 4
+    at_eos = len(prompts[1]) + 4
+    with pytest.raises(RuntimeError, match="at the eos step"):
+        reference_generate(
+            model, prompts[1:2], stopping_criteria=StoppingCriteriaList([CountThenRaise(at_eos)]), **kwargs
+        )
+    with pytest.raises(RuntimeError, match="at the eos step"):
+        model.generate_many(prompts[1:2], stopping_criteria=StoppingCriteriaList([CountThenRaise(at_eos)]), **kwargs)
+
+
 def test_prefix_allowed_tokens_fn_gets_the_prompt_index(model, prompts):
     seen, seen_by_stock = set(), set()
 

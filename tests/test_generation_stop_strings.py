@@ -4,6 +4,7 @@ stop strings that span several tokens and end inside a token."""
 import warnings
 
 import pytest
+import torch
 from bpe_tokenizer import make_tokenizer
 from models import make_model, reference_generate
 
@@ -99,6 +100,43 @@ def test_a_stop_string_can_start_in_the_prompt(model, tokenizer, prompts, plain,
     results = model.generate_many(prompts[:1], **kwargs)
     assert [r.token_ids for r in results] == reference_generate(model, prompts[:1], tokenizer=tokenizer, **kwargs)
     assert results[0].token_ids == plain[0][:1] and results[0].finish_reason == "stop"
+
+
+def test_a_user_criterion_that_raises_as_a_stop_string_completes_fails_the_request(
+    model, tokenizer, prompts, plain, base
+):
+    # stock generate runs the user's criterion at the step a stop string completes, and raises its error (before:
+    # the stop string's "stop" replaced the error, and generate_many returned normally)
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class RaiseAt(StoppingCriteria):
+        def __init__(self, length):
+            self.length, self.calls = length, 0
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.calls += 1
+            if input_ids.shape[-1] >= self.length:
+                raise RuntimeError("criterion raised as the stop string completed")
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    kwargs = dict(base, stop_strings=[spanning_stop_string(tokenizer, plain[0])], tokenizer=tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stopped = reference_generate(model, prompts[:1], **kwargs)[0]
+    assert len(stopped) < NEW  # the stop string ends generation
+    stock, ours = RaiseAt(10**6), RaiseAt(10**6)  # never raise: calls counted
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference_generate(model, prompts[:1], stopping_criteria=StoppingCriteriaList([stock]), **kwargs)
+    results = model.generate_many(prompts[:1], stopping_criteria=StoppingCriteriaList([ours]), **kwargs)
+    assert results[0].token_ids == stopped and results[0].finish_reason == "stop"
+    assert ours.calls == stock.calls == len(stopped)
+    at_stop = len(prompts[0]) + len(stopped)  # the ids as the token completing the stop string arrives
+    with pytest.raises(RuntimeError, match="stop string completed"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference_generate(model, prompts[:1], stopping_criteria=StoppingCriteriaList([RaiseAt(at_stop)]), **kwargs)
+    with pytest.raises(RuntimeError, match="stop string completed"):
+        model.generate_many(prompts[:1], stopping_criteria=StoppingCriteriaList([RaiseAt(at_stop)]), **kwargs)
 
 
 def other_tokenizer(size):

@@ -127,12 +127,9 @@ def check_stops(requests: list[Request]) -> list[str | BaseException | None]:
     now = None
     for i, request in enumerate(requests):
         params = request.params
-        if request.all_token_ids[-1] in params.eos_token_ids:
-            reasons[i] = "stop"
-            continue
         rules = params.stop
-        if rules.stop_strings is not None:
-            by_criterion.setdefault(id(rules.stop_strings), (rules.stop_strings, []))[1].append(i)
+        # the user's criteria run at every token, eos included, and what they raise wins over any stop (generate's
+        # StoppingCriteriaList calls each criterion at every step and raises its error)
         if rules.criteria is not None:
             ids = torch.tensor([request.all_token_ids], dtype=torch.long)
             try:
@@ -143,6 +140,11 @@ def check_stops(requests: list[Request]) -> list[str | BaseException | None]:
             if hit:
                 reasons[i] = "stop"
                 continue
+        if request.all_token_ids[-1] in params.eos_token_ids:
+            reasons[i] = "stop"
+            continue
+        if rules.stop_strings is not None:
+            by_criterion.setdefault(id(rules.stop_strings), (rules.stop_strings, []))[1].append(i)
         if len(request.all_token_ids) >= params.max_length:
             reasons[i] = "length"
         elif rules.max_time is not None:
