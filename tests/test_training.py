@@ -244,6 +244,74 @@ def test_prompt_learning_adapters_are_refused_at_patch(kind):
     assert not hasattr(model.get_base_model(), "_hfpaged") and not hasattr(model.get_base_model(), "generate_many")
 
 
+alora_supported = pytest.mark.skipif(
+    "alora_invocation_tokens" not in getattr(peft.LoraConfig, "__dataclass_fields__", {}),
+    reason="this peft has no aLoRA (LoraConfig(alora_invocation_tokens=...))",
+)
+
+
+def alora(model, name, invocation, seed=0):
+    """An aLoRA adapter (active after ``invocation`` in the ids; None: a plain LoRA) with random B matrices, for a
+    causal LM (PeftModelForCausalLM: a plain PeftModel computes no aLoRA offsets, so serves the base model too)."""
+    config = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "k_proj", "v_proj"],
+        lora_dropout=0.0,
+        task_type="CAUSAL_LM",
+        alora_invocation_tokens=invocation,
+    )
+    if isinstance(model, peft.PeftModel):
+        model.add_adapter(name, config)
+    else:
+        model = peft.get_peft_model(model, config, adapter_name=name)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for module_name, param in model.named_parameters():
+            if "lora_B" in module_name and f".{name}." in module_name:
+                param.normal_(0, 0.5)
+    return model
+
+
+@alora_supported
+def test_an_alora_adapter_is_refused_at_patch():
+    """aLoRA's offsets (where the adapter applies, after the invocation tokens) come from the PeftModel wrapper's
+    forward/generate, which the paged steps do not run: served, it gave the base model's tokens (a probe, session
+    32), so patch refuses it, naming the adapter, and attaches nothing."""
+    prompt = random_prompts([16], seed=11)[0]
+    model = alora(make_model("llama", seed=3), "act", prompt[5:8])
+    expected = stock(model, [prompt])
+    with model.disable_adapter():
+        assert stock(model, [prompt]) != expected  # the adapter matters for this prompt
+    with pytest.raises(ValueError, match="active adapter is an aLoRA \\('act'"):
+        hfpaged.patch(model, num_blocks=48, block_size=4)
+    assert not hasattr(model.get_base_model(), "_hfpaged") and not hasattr(model.get_base_model(), "generate_many")
+
+
+@alora_supported
+def test_an_alora_adapter_activated_after_patch_is_refused_at_the_call():
+    """An aLoRA added and activated between calls fails the call (not the base model's tokens); switched off or
+    away from, the next call serves the model again, as its stock generate."""
+    prompts = random_prompts([16], seed=11)
+    model = alora(make_model("llama", seed=3), "default", None, seed=1)  # a plain LoRA (a causal-LM PeftModel)
+    hfpaged.patch(model, num_blocks=48, block_size=4)
+    first = greedy(model, prompts)
+    assert first == stock(model, prompts)
+    alora(model, "act", prompts[0][5:8], seed=4)
+    model.set_adapter("act")
+    with model.disable_adapter():
+        base = stock(model, prompts)
+    assert stock(model, prompts) != base  # the aLoRA matters for this prompt
+    with pytest.raises(ValueError, match="active adapter is an aLoRA \\('act'"):
+        greedy(model, prompts)
+    with pytest.raises(ValueError, match="aLoRA"):  # every call, not only the first
+        greedy(model, prompts)
+    with model.disable_adapter():  # the base model: nothing of the wrapper's is needed
+        assert greedy(model, prompts) == base != first
+    model.set_adapter("default")
+    assert greedy(model, prompts) == first
+
+
 def test_a_call_whose_requests_end_at_eos_leaves_the_engine_idle():
     """With overlapped steps the step after a request's eos is already launched when the eos is read; a probe found
     it kept in flight, so ``sleep`` refused ("0 requests run") and ``sleep_when_idle`` left the pool allocated."""

@@ -10,6 +10,7 @@ state read in the forward: a change makes captured CUDA graphs and cached prefix
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -33,9 +34,11 @@ def inner_model(model: Any) -> Any:
 def check_peft_model(model: Any) -> None:
     """Refuse a PEFT model whose adapters are prompt learning (prompt tuning, P-tuning, prefix tuning): their virtual
     tokens are added by the ``PeftModel`` wrapper around the transformers model, which hfpaged does not run (PEFT
-    keeps one kind of adapter per model, so the active one tells)."""
+    keeps one kind of adapter per model, so the active one tells); or whose active adapter is an aLoRA
+    (``check_alora``)."""
     if not is_peft_model(model):
         return
+    check_alora(adapter_layers(inner_model(model)))
     kinds = sorted(
         {str(getattr(c.peft_type, "value", c.peft_type)) for c in model.peft_config.values() if c.is_prompt_learning}
     )
@@ -56,9 +59,40 @@ def adapter_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
 
 
+# refusals per adapter-layer list (keyed by its first layer), part of ``adapter_state``: the call a refusal interrupts
+# leaves the model's fingerprint half read, so the next call that passes counts as changed adapters (drops all)
+_REFUSALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def check_alora(layers: list[torch.nn.Module]) -> None:
+    """Refuse active aLoRA adapters (activated LoRA, ``LoraConfig(alora_invocation_tokens=...)``): where in each
+    sequence they apply (``alora_offsets``, after the invocation tokens) is computed by ``PeftModel.forward`` and
+    ``generate`` in the wrapper, which hfpaged does not run; without it the layers apply nothing (the base model's
+    tokens). Read from the layers, so an aLoRA loaded or activated after ``patch`` is refused at the next call."""
+    names = sorted(
+        {
+            name
+            for layer in layers
+            if getattr(layer, "lora_variant", None) and not layer.disable_adapters
+            for name in layer.active_adapters
+            if type(layer.lora_variant.get(name)).__name__ == "ALoraLinearVariant"
+        }
+    )
+    if names:
+        _REFUSALS[layers[0]] = _REFUSALS.get(layers[0], 0) + 1
+        raise ValueError(
+            f"hfpaged cannot run a PEFT model whose active adapter is an aLoRA ({', '.join(map(repr, names))}: "
+            "LoraConfig(alora_invocation_tokens=...)): where it applies (alora_offsets, after the invocation tokens) "
+            "is computed by the PeftModel wrapper, which generate_many would skip, serving the base model's tokens "
+            "(other tokens than PeftModel.generate). Activate another adapter (set_adapter) or use PeftModel.generate"
+        )
+
+
 def adapter_state(layers: list[torch.nn.Module]) -> tuple:
     """What the adapter layers apply now: active adapters, disabled or not, merged adapters, and each adapter's
-    scale (``set_scale``, ``rescale_adapter_scale``: the same weights, other outputs)."""
+    scale (``set_scale``, ``rescale_adapter_scale``: the same weights, other outputs). An active aLoRA adapter
+    raises (``check_alora``): this runs at every call."""
+    check_alora(layers)
     return tuple(
         (
             tuple(layer.active_adapters),
@@ -67,7 +101,7 @@ def adapter_state(layers: list[torch.nn.Module]) -> tuple:
             tuple(sorted((name, _scale_key(value)) for name, value in getattr(layer, "scaling", {}).items())),
         )
         for layer in layers
-    )
+    ) + ((_REFUSALS.get(layers[0], 0),) if layers else ())
 
 
 def _scale_key(value: Any) -> Any:
