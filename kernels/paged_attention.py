@@ -53,6 +53,7 @@ from .context_rows import (
     step_kv_usable,
 )
 from .dependent_launch import check_launch_pdl, launch_options
+from .fp8_decode import fp8_decode, fp8_decode_usable
 from .split_merge import _merge_splits_kernel
 from .store_kv import store_kv
 
@@ -188,69 +189,80 @@ def paged_attention_with_config(
             k_ctx_desc, v_ctx_desc = (_step_descriptor(t, config.tile_n) for t in rows)
     store_key, store_value, slots = store if store is not None else (seq_lens, seq_lens, seq_lens)  # unused if None
     store_strides = (*store_key.stride(), *store_value.stride()) if store is not None else (0,) * 6
-    _paged_attention_kernel[(num_programs, num_kv_heads, config.num_splits)](
-        out,
-        split_acc,
-        split_max,
-        split_sum,
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        cu_seqlens_q,
-        k_scale if fp8 else seq_lens,  # unused without fp8
-        v_scale if fp8 else seq_lens,
-        sinks if sinks is not None else seq_lens,  # unused without sinks
-        k_desc,
-        v_desc,
-        k_ctx_desc,
-        v_ctx_desc,
-        ctx_offsets,
-        store_key,
-        store_value,
-        slots,
-        num_seqs,
-        config.num_splits,
-        config.min_split_tiles,
-        config.split_target_programs,
-        float(scale) / float(softcap) if use_softcap else float(scale) * LOG2E,
-        float(softcap) * LOG2E if use_softcap else 1.0,
-        int(sliding_window) if use_window else 0,
-        *q.stride(),
-        *k_cache.stride(),
-        *v_cache.stride(),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        *store_strides,
-        NUM_HEADS=num_heads,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=next_power_of_2(max(16, head_dim)),
-        HEAD_DIM_V=head_dim_v,
-        HEAD_DIM_V_PAD=head_dim_v_pad,
-        BLOCK_SIZE=block_size,
-        BLOCK_M=block_m,
-        BLOCK_Q=block_q,
-        TILE_N=config.tile_n,
-        USE_SOFTCAP=use_softcap,
-        USE_WINDOW=use_window,
-        SPLIT=split,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        SEARCH_BLOCK=16 if config.one_query else search_block(num_seqs),  # unused with one_query: one variant
-        KV_FP8=fp8,
-        STEP_KV=k_desc is not None,
-        CTX_KV=ctx_offsets is not None,
-        USE_PDL=launch_pdl,
-        ONE_QUERY=config.one_query,
-        STORE_KV=store is not None,
-        FP8_MAX=FP8_MAX.get(k_cache.dtype, 0.0),
-        USE_SINKS=sinks is not None,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        **launch_options(launch_pdl),
-    )
+    if config.one_query and fp8_decode_usable(
+        q, k_cache, v_cache, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+        split_target_programs=config.split_target_programs, store=store is not None,
+    ):  # fmt: skip
+        # decode steps over fp8 caches: the CUDA kernel (fp8_decode.py), then the same merge
+        min_split_keys = config.min_split_tiles * config.tile_n
+        fp8_decode(
+            q, k_cache, v_cache, block_tables, seq_lens, scale=scale, k_scale=k_scale, v_scale=v_scale, out=out,
+            store=store, split=(split_acc, split_max, split_sum, config.num_splits, min_split_keys) if split else None,
+        )  # fmt: skip
+    else:
+        _paged_attention_kernel[(num_programs, num_kv_heads, config.num_splits)](
+            out,
+            split_acc,
+            split_max,
+            split_sum,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            cu_seqlens_q,
+            k_scale if fp8 else seq_lens,  # unused without fp8
+            v_scale if fp8 else seq_lens,
+            sinks if sinks is not None else seq_lens,  # unused without sinks
+            k_desc,
+            v_desc,
+            k_ctx_desc,
+            v_ctx_desc,
+            ctx_offsets,
+            store_key,
+            store_value,
+            slots,
+            num_seqs,
+            config.num_splits,
+            config.min_split_tiles,
+            config.split_target_programs,
+            float(scale) / float(softcap) if use_softcap else float(scale) * LOG2E,
+            float(softcap) * LOG2E if use_softcap else 1.0,
+            int(sliding_window) if use_window else 0,
+            *q.stride(),
+            *k_cache.stride(),
+            *v_cache.stride(),
+            block_tables.stride(0),
+            out.stride(0),
+            out.stride(1),
+            *store_strides,
+            NUM_HEADS=num_heads,
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=next_power_of_2(max(16, head_dim)),
+            HEAD_DIM_V=head_dim_v,
+            HEAD_DIM_V_PAD=head_dim_v_pad,
+            BLOCK_SIZE=block_size,
+            BLOCK_M=block_m,
+            BLOCK_Q=block_q,
+            TILE_N=config.tile_n,
+            USE_SOFTCAP=use_softcap,
+            USE_WINDOW=use_window,
+            SPLIT=split,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            SEARCH_BLOCK=16 if config.one_query else search_block(num_seqs),  # unused with one_query: one variant
+            KV_FP8=fp8,
+            STEP_KV=k_desc is not None,
+            CTX_KV=ctx_offsets is not None,
+            USE_PDL=launch_pdl,
+            ONE_QUERY=config.one_query,
+            STORE_KV=store is not None,
+            FP8_MAX=FP8_MAX.get(k_cache.dtype, 0.0),
+            USE_SINKS=sinks is not None,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+            **launch_options(launch_pdl),
+        )
     if split:
         splits_pad = next_power_of_2(config.num_splits)
         _merge_splits_kernel[(num_tokens, num_heads)](
