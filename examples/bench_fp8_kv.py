@@ -10,6 +10,8 @@ Workloads, each run with kv_cache_dtype="auto" (bf16) and "fp8" (e4m3, calibrate
              --pool-gib GiB (the pool is the limit)
   nano_full  the nano-vllm shape with the pool sized by gpu_memory_utilization=0.9 (bf16 already holds
              every request: the pool is not the limit)
+``--triton-decode`` adds a third run per workload, "fp8_triton": fp8 with the CUDA decode kernel switched off
+(``hfpaged.kernels.fp8_decode``), so decode steps run the Triton kernel as before session 32.
 Per run: wall time, output tokens/s, all tokens (prompt + output)/s, the most sequences running at once,
 preemptions, pool blocks. Each patch is warmed up first (Triton variants, CUDA graphs). Writes JSON (after
 every run) and a PNG.
@@ -29,6 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from benchmark import MODELS, build_model, workload
 
 import hfpaged
+from hfpaged.kernels import fp8_decode
 
 
 def long_workload(num_requests: int, new_tokens: int, vocab: int, seed: int = 1):
@@ -76,9 +79,11 @@ def run(model, prompts, out_lens) -> dict:
     }
 
 
-def bench(model, name, prompts, out_lens, pool_gib, results, out_dir):
+def bench(model, name, prompts, out_lens, pool_gib, results, out_dir, triton_decode=False):
     results[name] = {}
-    for kv in ("auto", "fp8"):
+    runs = [("auto", "auto"), ("fp8", "fp8")] + ([("fp8_triton", "fp8")] if triton_decode else [])
+    for label, kv in runs:
+        fp8_decode.USE_CUDA_FP8_DECODE = label != "fp8_triton"
         if pool_gib is None:
             hfpaged.patch(model, gpu_memory_utilization=0.9, kv_cache_dtype=kv)
         else:
@@ -89,8 +94,8 @@ def bench(model, name, prompts, out_lens, pool_gib, results, out_dir):
         model.generate_many(short * 8, max_new_tokens=16, do_sample=False)
         hfpaged.reset_prefix_cache(model)  # the timed run prefills every prompt in full
         entry = run(model, prompts, out_lens)
-        results[name][kv] = entry
-        print(name, kv, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in entry.items()}),
+        results[name][label] = entry
+        print(name, label, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in entry.items()}),
               flush=True)  # fmt: skip
         hfpaged.unpatch(model)
         torch.cuda.empty_cache()
@@ -102,6 +107,10 @@ def bench(model, name, prompts, out_lens, pool_gib, results, out_dir):
         "max_running": f["max_running"] / a["max_running"],
         "pool_tokens": f["pool_tokens"] / a["pool_tokens"],
     }
+    if triton_decode:
+        results[name]["ratio"]["fp8_cuda_over_fp8_triton"] = (
+            f["output_tokens_per_s"] / results[name]["fp8_triton"]["output_tokens_per_s"]
+        )
     (out_dir / "bench_fp8_kv.json").write_text(json.dumps(results, indent=2))
 
 
@@ -173,7 +182,7 @@ def table(results) -> str:
     for name, runs in results.items():
         if not isinstance(runs, dict) or "auto" not in runs:
             continue
-        for kv in ("auto", "fp8"):
+        for kv in ("auto", "fp8", "fp8_triton"):
             if kv in runs:
                 e = runs[kv]
                 lines.append(f"{name:10} {kv:5} {e['pool_tokens']:9d} {e['max_running']:7d} {e['num_preemptions']:7d} "
@@ -182,6 +191,10 @@ def table(results) -> str:
             r = runs["ratio"]
             lines.append(f"{name:10} fp8/bf16: out tok/s {r['output_tokens_per_s']:.2f}x, all tok/s "
                          f"{r['all_tokens_per_s']:.2f}x, max running {r['max_running']:.2f}x")  # fmt: skip
+            if "fp8_cuda_over_fp8_triton" in r:
+                lines.append(
+                    f"{name:10} fp8 CUDA decode / Triton decode: out tok/s {r['fp8_cuda_over_fp8_triton']:.2f}x"
+                )
     return "\n".join(lines)
 
 
@@ -223,6 +236,7 @@ def main(argv=None) -> None:
     parser.add_argument("--long-new-tokens", type=int, default=512)
     parser.add_argument("--nano-requests", type=int, default=256)
     parser.add_argument("--out", default="bench_fp8")
+    parser.add_argument("--triton-decode", action="store_true", help="also run fp8 with the Triton decode kernel")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_fp8_kv.py needs a CUDA GPU")
@@ -241,7 +255,8 @@ def main(argv=None) -> None:
             prompts, out_lens = long_workload(args.long_requests, args.long_new_tokens, vocab)
         else:
             prompts, out_lens = workload("nano", args.nano_requests, vocab)
-        bench(model, name, prompts, out_lens, None if name == "nano_full" else args.pool_gib, results, out_dir)
+        pool = None if name == "nano_full" else args.pool_gib
+        bench(model, name, prompts, out_lens, pool, results, out_dir, args.triton_decode)
     print(table(results), flush=True)
     (out_dir / "table.txt").write_text(table(results) + "\n")
     plot(results, out_dir / "bench_fp8_kv.png")
