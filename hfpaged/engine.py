@@ -70,6 +70,8 @@ class EngineCore:
         """
         clock = time.perf_counter
         t0 = clock()
+        if self.state.weights.adapters_toggled():  # steps between calls under another adapter state (PEFT)
+            self.check_weights(self.runner.model)
         scheduler_output = None
         try:
             scheduler_output = self.scheduler.schedule()

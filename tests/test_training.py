@@ -328,3 +328,37 @@ def test_a_call_whose_requests_end_at_eos_leaves_the_engine_idle():
     hfpaged.patch(model, num_blocks=32, block_size=4, sleep_when_idle=True)
     assert [r.token_ids for r in model.generate_many([prompt], max_new_tokens=12, do_sample=False)] == expected
     assert hfpaged.stats(model)["asleep"]
+
+
+def test_steps_run_under_another_adapter_state_between_calls_publish_nothing_stale(peft_model):
+    # requests accepted under the adapter but stepped under another adapter state that is undone before the next
+    # call: an Engine handle stepped inside disable_adapter(), a stream first iterated after set_adapter. Their own
+    # tokens are those of the state they ran under, and the next call (back under the first state) is not served
+    # prefix blocks they computed (the call's weights check alone saw "no change since the last call").
+    prompts = random_prompts([16, 12], seed=21)
+    peft_model.generate_many(random_prompts([5], seed=1), max_new_tokens=2)  # weights checked under the adapter
+    engine = hfpaged.Engine(peft_model)
+    for prompt in prompts:
+        engine.add_request(prompt, max_new_tokens=NEW, do_sample=False)
+    with peft_model.disable_adapter():
+        base = stock(peft_model, prompts)
+        outputs = {}
+        while engine.has_unfinished():
+            for output in engine.step():
+                outputs[output.prompt_id] = output.token_ids
+    assert list(outputs.values()) == base
+    adapted = stock(peft_model, prompts)
+    assert adapted != base and greedy(peft_model, prompts) == adapted
+
+    lora(peft_model, "other", seed=9)
+    others = random_prompts([14, 10], seed=22)
+    stream = peft_model.stream_many(others, max_new_tokens=NEW, do_sample=False)  # created under "default"
+    peft_model.set_adapter("other")
+    other_tokens = stock(peft_model, others)
+    streamed = {}
+    for piece in stream:
+        streamed.setdefault(piece.index, []).extend(piece.token_ids)
+    assert [streamed[i] for i in sorted(streamed)] == other_tokens
+    peft_model.set_adapter("default")
+    assert greedy(peft_model, others) == stock(peft_model, others) != other_tokens
+    assert hfpaged.stats(peft_model)["num_free_blocks"] == hfpaged.stats(peft_model)["num_blocks"]

@@ -108,6 +108,14 @@ class WeightsVersion:
         self.storage, self.versions, self.adapters = storage, versions, adapters
         return changed, rewired
 
+    def adapters_toggled(self) -> bool:
+        """Cheap, for every step (PEFT models): whether the first adapter layer applies something other than at the
+        last check. Adapter switches, ``disable_adapter()``, merges and scale contexts change every layer at once and
+        may be undone before the next call's check; steps run in between (an ``Engine`` handle stepped, a stream
+        iterated under another adapter state) would publish prefix blocks of the other state."""
+        layers = self.adapter_layers
+        return bool(layers) and adapter_state(layers[:1])[0] != self.adapters[0]
+
 
 def _storage_ref(param: torch.Tensor):
     """A weak reference to ``param``'s storage object (one per storage: torch keeps it while the storage lives), so
