@@ -57,6 +57,8 @@ CASES = {
         | dict(decoder_ffn_dim=64, encoder_ffn_dim=64, init_std=0.25),
         "ignores the position_ids it is given",
     ),
+    # no layer rotates its queries and keys (SmolLM3 with every layer NoPE): told apart from a self-numbering decoder
+    "all_nope": ("SmolLM3Config", dict(no_rope_layers=[0, 0], pad_token_id=0), "encodes no position in its queries"),
     # StableLM's decoder layers do not pass the forward's keyword arguments (hfpaged's step context) down
     "stablelm": ("StableLmConfig", {}, "StableLmAttention was called without hfpaged's step context"),
 }

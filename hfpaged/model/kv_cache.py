@@ -93,6 +93,13 @@ def discover_layers(
         )
     swapped = _probe(model, configs, device, lock, [1, 0])
     if all(torch.equal(a, b) for a, b in zip(first.queries_keys, swapped.queries_keys)):
+        if all(torch.equal(t[..., 0, :], t[..., 1, :]) for t in first.queries_keys):  # one token at 0 and at 1
+            raise UnsupportedModelError(
+                f"{name} encodes no position in its queries and keys (every layer without RoPE, e.g. all NoPE or "
+                "all full-attention layers of a model that rotates only its sliding ones, or a position bias applied "
+                "outside them, such as ALiBi, which hfpaged's attention would drop); hfpaged serves models whose "
+                "positions come from the position_ids it passes"
+            )
         raise UnsupportedModelError(
             f"{name} ignores the position_ids it is given (its decoder numbers positions itself, from its cache); "
             "hfpaged's packed steps need every token's position from position_ids"
