@@ -254,6 +254,11 @@ def fp8_decode(
     split_acc, split_max, split_sum, num_splits, min_split_keys = split if split is not None else (q, q, q, 1, 0)
     if key.stride(-1) != 1 or value.stride(-1) != 1:  # the store reads each row's elements in order
         key, value = key.contiguous(), value.contiguous()
+    # the kernel reads block-table rows, lengths and slots with unit strides (a graph's corner view of its tables
+    # has them: no copy then)
+    if block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    seq_lens, slots = seq_lens.contiguous(), slots.contiguous()
     kernel = get_kernel(q.device, **_variant(q, k_cache, store is not None))
     pointers = (q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, out, key, value, slots) + (
         split_acc, split_max, split_sum,
