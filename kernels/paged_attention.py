@@ -22,6 +22,9 @@ Given ``slot_mapping=`` as well, it stores the step's keys/values first: in a st
 cache, synchronises its threads and reads it back in its tile loop (no other program reads that key), which saves
 the ``store_kv`` launch; other steps run ``store_kv`` first.
 
+Steps of one query token per sequence over fp8 caches run the CUDA kernel of ``fp8_decode.py`` instead where it
+applies (``fp8_decode_usable``), with the same split partials and merge: 1.1-1.4x the Triton kernel's speed there.
+
 Grid and workspace depend only on host integers (shapes and the max_seqlen hints), so the launch
 can be captured in a CUDA graph. Query blocks map to sequences on the device by counting over
 cu_seqlens_q: sequence b owns program ids [cu[b] // BLOCK_Q + b, ...), an upper bound of
