@@ -21,6 +21,7 @@ import ctypes.util
 import os
 import struct
 import threading
+import warnings
 
 import torch
 
@@ -39,6 +40,7 @@ _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fp8_decode_s
 _LOCK = threading.Lock()
 _KERNELS: dict[tuple, _Kernel] = {}
 _UNAVAILABLE: dict[int, str] = {}  # device index -> why the kernel cannot be built there
+_FAILED: set[tuple] = set()  # variants whose build failed (they stay on Triton)
 
 
 class _Kernel:
@@ -202,7 +204,16 @@ def _compiled(device: torch.device, variant: dict) -> bool:
 
 
 def fp8_decode_usable(
-    q, k_cache, v_cache, *, sliding_window, softcap, sinks, split_target_programs: int = 0, store: bool = False
+    q,
+    k_cache,
+    v_cache,
+    *,
+    sliding_window,
+    softcap,
+    sinks,
+    split_target_programs: int = 0,
+    store: bool = False,
+    out: torch.Tensor | None = None,
 ) -> bool:
     """Whether a one-query-per-sequence step can run on the CUDA kernel instead of the Triton one (splits sized by
     a batch-wide target, which no fp8 tile config asks for today, stay on Triton). While a CUDA graph is being
@@ -230,9 +241,35 @@ def fp8_decode_usable(
             return False
     if q.data_ptr() % 8 or q.stride(0) % 4 or q.stride(1) % 4:
         return False
+    if out is not None and (out.data_ptr() % 4 or out.stride(2) != 1 or out.stride(0) % 2 or out.stride(1) % 2):
+        return False
     if not available(q.device):
         return False
-    return not torch.cuda.is_current_stream_capturing() or _compiled(q.device, _variant(q, k_cache, store))
+    variant = _variant(q, k_cache, store)
+    if torch.cuda.is_current_stream_capturing():
+        return _compiled(q.device, variant)
+    return _built(q.device, variant)
+
+
+def _built(device: torch.device, variant: dict) -> bool:
+    """Build the variant if needed; a failure (an NVRTC too old for the GPU, a cubin the driver refuses) warns once
+    and leaves that variant to the Triton kernel from then on."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, NUM_WARPS, NUM_STAGES, *sorted(variant.items()))
+    if key in _FAILED:
+        return False
+    try:
+        get_kernel(device, **variant)
+    except Exception as error:
+        _FAILED.add(key)
+        warnings.warn(
+            f"hfpaged: the CUDA fp8 decode kernel could not be built for {device} ({error}); fp8 decode steps run the "
+            "Triton kernel instead",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    return True
 
 
 def fp8_decode(

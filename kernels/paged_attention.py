@@ -194,7 +194,7 @@ def paged_attention_with_config(
     store_strides = (*store_key.stride(), *store_value.stride()) if store is not None else (0,) * 6
     if config.one_query and fp8_decode_usable(
         q, k_cache, v_cache, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
-        split_target_programs=config.split_target_programs, store=store is not None,
+        split_target_programs=config.split_target_programs, store=store is not None, out=out,
     ):  # fmt: skip
         # decode steps over fp8 caches: the CUDA kernel (fp8_decode.py), then the same merge
         min_split_keys = config.min_split_tiles * config.tile_n

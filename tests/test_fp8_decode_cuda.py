@@ -4,6 +4,7 @@ dequantized cache, against the Triton kernel, against ``store_kv``'s bytes, unde
 the routing (what stays on Triton) is checked too. On the CPU: only that nothing routes there."""
 
 import sys
+import warnings
 
 import pytest
 import torch
@@ -190,6 +191,32 @@ def test_gpu_split_context_with_fused_store(cuda_calls, seq_lens):
     for name in ("k_cache", "v_cache"):
         assert torch.equal(batch[name].view(torch.uint8), expected[name].view(torch.uint8))
     assert_close(out, reference64(batch, scale=kwargs["scale"]).to(torch.bfloat16), torch.bfloat16)
+
+
+def test_a_variant_that_cannot_be_built_warns_once_and_stays_on_triton(monkeypatch):
+    # an NVRTC too old for the GPU, or a cubin the driver refuses: the step runs Triton, not an error at every step
+    batch, _ = fp8_batch([1] * 4, [5, 17, 33, 2], torch.float8_e4m3fn, torch.float16, num_heads=4, num_kv_heads=2,
+                         head_dim=64, block_size=16)  # fmt: skip
+    q, k_cache, v_cache = (batch[name].cpu() for name in ("q", "k_cache", "v_cache"))
+    attempts = []
+
+    def failing(device, **variant):
+        attempts.append(variant)
+        raise RuntimeError("NVRTC could not compile the fp8 decode kernel: unsupported arch")
+
+    monkeypatch.setattr(fd, "available", lambda device: True)
+    monkeypatch.setattr(fd, "get_kernel", failing)
+    monkeypatch.setattr(fd, "_FAILED", set())
+    monkeypatch.setattr(fd, "USE_CUDA_FP8_DECODE", True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    kwargs = dict(sliding_window=None, softcap=None, sinks=None, store=True)
+    with pytest.warns(RuntimeWarning, match="could not be built .*unsupported arch.* run the Triton kernel"):
+        assert not fd.fp8_decode_usable(q, k_cache, v_cache, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not fd.fp8_decode_usable(q, k_cache, v_cache, **kwargs)
+    assert len(attempts) == 1
 
 
 def test_cpu_never_routes_to_the_cuda_kernel(cuda_calls):
