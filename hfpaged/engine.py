@@ -10,6 +10,7 @@ batches, from any number of threads or asyncio tasks, and each caller gets exact
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -46,7 +47,7 @@ class EngineCore:
             num_cpu_blocks=state.num_cpu_blocks,
             counters=state.counters,
         )
-        self.scheduler = Scheduler(config, self.kv, state.max_model_len)
+        self.scheduler = Scheduler(config, self.kv, state.max_model_len, state.position_table)
         self.runner = ModelRunner(model, state)
         self.prompts = PromptMaker(model, state)
         self.prompts.in_use = self.scheduler.requests.__contains__  # generated ids skip the ids callers chose
@@ -70,8 +71,9 @@ class EngineCore:
         """
         clock = time.perf_counter
         t0 = clock()
-        if self.state.weights.adapters_toggled():  # steps between calls under another adapter state (PEFT)
-            self.check_weights(self.runner.model)
+        with contextlib.suppress(ReferenceError):  # (an unpatched model's stale handle: nothing to step)
+            if self.state.weights.adapters_toggled():  # steps between calls under another adapter state (PEFT)
+                self.check_weights(self.runner.model)
         scheduler_output = None
         try:
             scheduler_output = self.scheduler.schedule()
