@@ -28,6 +28,7 @@ from ..outputs import RequestOutput, final_output, progress_output
 from ..sampling.stopping import check_stops
 from .config import EngineConfig
 from .kv_manager import KVManager
+from .position_table import finish_past_table
 from .request import LONG_ROPE_SALT, Request, RequestStatus
 from .runner_output import ModelRunnerOutput
 from .scheduler_output import CachedRequestData, NewRequestData, ScheduledRequest, SchedulerOutput
@@ -39,9 +40,20 @@ COUNTER_NAMES = ("num_preemptions", "num_swapped_out", "prefix_cache_queries", "
 class Scheduler(SequenceGroups):
     """Waiting, running and swapped queues over one KV manager."""
 
-    def __init__(self, config: EngineConfig, kv: KVManager, max_model_len: int | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVManager,
+        max_model_len: int | None = None,
+        position_table: tuple[int, str] | None = None,
+    ):
         self.config = config
         self.kv = kv
+        # (rows, which) of the model's learned position table: a request that would forward a token past it fails
+        # alone, with an IndexError (core/position_table.py)
+        self.position_table = position_table
+        if position_table is not None:
+            max_model_len = min(max_model_len or position_table[0], position_table[0])
         # the model's positions (a learned position table has no more rows): a request is not planned ahead past it
         self.max_model_len = max_model_len
         self.counters = kv.counters
@@ -358,6 +370,8 @@ class Scheduler(SequenceGroups):
         for request, reason in zip(advanced, check_stops(advanced)):
             if reason is not None:
                 self.finish(request, reason)
+        if self.position_table is not None:  # its next token past the table: stock raises IndexError there
+            outputs += finish_past_table(self, advanced, result.beam_rounds)
         return outputs + [
             progress_output(request) if request.stream_outputs else final_output(request)
             for request in advanced

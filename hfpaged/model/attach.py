@@ -32,6 +32,7 @@ from .kv_cache import (
     collect_configs,
     discover_layers,
     max_model_len,
+    position_table,
     size_pool,
     window_length_limit,
 )
@@ -62,6 +63,7 @@ class PatchState:
     vocab_size: int = 0
     max_model_len: int | None = None
     length_limit: tuple[int, str] | None = None  # (positions, why): dynamic/longrope RoPE, windows not passed
+    position_table: tuple[int, str] | None = None  # (positions, which): a learned absolute position table's rows
     counters: dict[str, int] = field(default_factory=dict)  # shared with the scheduler (hfpaged.stats)
     engine: Any = None  # the model's one EngineCore (hfpaged.engine), created by patch
     asleep: bool = False  # the pool is released (hfpaged.sleep); the next call allocates it again
@@ -232,6 +234,7 @@ def _attach(
         vocab_size=model.get_input_embeddings().weight.shape[0],
         max_model_len=model_len,
         length_limit=length_limit,
+        position_table=position_table(model),
         kv_cache_dtype=kv_dtype,
         fused_projections=fused,
         tp=tp,

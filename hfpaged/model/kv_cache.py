@@ -189,6 +189,39 @@ def max_model_len(model: PreTrainedModel) -> int | None:
     return int(value) if value else None
 
 
+# attribute names of the learned absolute position tables of transformers' decoders (GPT-2, GPT-Neo, GPT-BigCode,
+# ImageGPT: ``wpe``; OPT, BioGPT: ``embed_positions``, with an ``offset``; BERT-style: ``position_embeddings``)
+POSITION_TABLE_NAMES = ("wpe", "embed_positions", "position_embeddings")
+
+
+def position_table(model: torch.nn.Module) -> tuple[int, str] | None:
+    """The positions a learned absolute position table has rows for, and the table's description; None: none found.
+
+    Conservative: an ``nn.Embedding`` (or subclass) under one of ``POSITION_TABLE_NAMES`` whose rows are exactly
+    the config's ``max_position_embeddings`` (``n_positions``) plus its ``offset`` (OPT's 2). Stock ``generate``
+    raises ``IndexError`` when it forwards a token at a position past such a table; RoPE models have none."""
+    model_len = max_model_len(model)
+    if model_len is None:
+        return None
+    try:  # the language model only (a vision tower's position table is not the text's positions)
+        decoder = model.get_decoder()
+    except Exception:
+        decoder = None
+    inside = {id(m) for m in (decoder if isinstance(decoder, torch.nn.Module) else model).modules()}
+    found = []
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] not in POSITION_TABLE_NAMES or not isinstance(module, torch.nn.Embedding):
+            continue
+        if id(module) not in inside:
+            continue
+        offset = getattr(module, "offset", 0)
+        if isinstance(offset, int) and module.num_embeddings == model_len + offset:
+            found.append(
+                (model_len, f"{name}, {module.num_embeddings} rows" + (f", offset {offset}" if offset else ""))
+            )
+    return min(found) if found else None
+
+
 def block_bytes(
     layers: list[LayerRecord], block_size: int, cache_dtype: torch.dtype | None = None
 ) -> dict[torch.device, int]:
