@@ -263,3 +263,23 @@ def test_an_attention_function_registered_outside_transformers_is_refused():
     got = model.generate_many(prompts, max_new_tokens=4, do_sample=False)
     assert [r.token_ids for r in got] == reference_generate(model, prompts, max_new_tokens=4, do_sample=False)
     assert hfpaged.stats(model)["num_free_blocks"] == hfpaged.stats(model)["num_blocks"]
+
+
+def test_transformers_paged_attention_implementations_are_refused(tmp_path):
+    """``attn_implementation="paged|eager"`` (transformers' own paged attention, for ``generate_batch``) does not
+    attend causally in a plain forward, as stock generate runs it: hfpaged's causal attention gave other tokens than
+    that model's stock generate (a probe). Refused at patch, and per call when selected after patch."""
+    make_model("llama").save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="paged|eager").eval()
+    with pytest.raises(ValueError, match="'paged\\|eager' is transformers' own paged attention"):
+        hfpaged.patch(model, num_blocks=32, block_size=4)
+    model.set_attn_implementation("eager")
+    hfpaged.patch(model, num_blocks=32, block_size=4)
+    model.set_attn_implementation("paged|eager")
+    prompts = random_prompts([7], seed=4)
+    with pytest.raises(ValueError, match="paged attention"):
+        model.generate_many(prompts, max_new_tokens=4)
+    model.set_attn_implementation("sdpa")
+    got = model.generate_many(prompts, max_new_tokens=4, do_sample=False)
+    assert [r.token_ids for r in got] == reference_generate(model, prompts, max_new_tokens=4, do_sample=False)
+    assert hfpaged.stats(model)["num_free_blocks"] == hfpaged.stats(model)["num_blocks"]

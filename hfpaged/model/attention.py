@@ -139,9 +139,18 @@ def no_autocast() -> Iterator[None]:
 
 def check_attention_implementation(configs: list) -> None:
     """Refuse an attention function registered outside transformers (``AttentionInterface.register``): the paged
-    kernels compute standard softmax attention, and whether the user's function does cannot be told."""
+    kernels compute standard softmax attention, and whether the user's function does cannot be told; and
+    transformers' own paged implementations ("paged|..."), which do not attend causally in a plain forward."""
     for cfg in configs:
         name = hf_compat.get_attn_implementation(cfg)
+        if isinstance(name, str) and name.startswith("paged"):
+            raise ValueError(
+                f"the model's attention implementation {name!r} is transformers' own paged attention, made for its "
+                "continuous batching (generate_batch): in a plain forward, as stock generate runs it, it does not "
+                "attend causally, so hfpaged's causal attention would give other tokens than the model's stock "
+                "generate. Load the model with attn_implementation='sdpa' or 'eager' (or "
+                "model.set_attn_implementation('sdpa')): hfpaged pages the KV cache itself"
+            )
         function = None if name in (None, "eager", ATTENTION_NAME) else ALL_ATTENTION_FUNCTIONS.get(name)
         if function is not None and not getattr(function, "__module__", "").startswith("transformers."):
             raise ValueError(
