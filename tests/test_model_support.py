@@ -283,3 +283,14 @@ def test_transformers_paged_attention_implementations_are_refused(tmp_path):
     got = model.generate_many(prompts, max_new_tokens=4, do_sample=False)
     assert [r.token_ids for r in got] == reference_generate(model, prompts, max_new_tokens=4, do_sample=False)
     assert hfpaged.stats(model)["num_free_blocks"] == hfpaged.stats(model)["num_blocks"]
+
+
+def test_a_dynamically_quantized_model_is_refused():
+    """``quantize_dynamic`` scales each Linear's input per call, over the whole packed step: a probe found prompts'
+    tokens depending on their batch neighbours. Refused at patch; the model stays usable."""
+    model = torch.ao.quantization.quantize_dynamic(make_model("llama"), {torch.nn.Linear}, dtype=torch.qint8)
+    with pytest.raises(UnsupportedModelError, match="dynamically quantized Linear"):
+        hfpaged.patch(model, num_blocks=32, block_size=4)
+    assert not hasattr(model, "_hfpaged")
+    ids = torch.tensor([random_prompts([6], seed=2)[0]])
+    assert model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False).shape == (1, 9)

@@ -77,12 +77,29 @@ def check_layer_types(model: torch.nn.Module) -> None:
             )
 
 
+def check_batch_dependent_modules(model: torch.nn.Module) -> None:
+    """Refuse torch's dynamically quantized modules (``torch.ao.quantization.quantize_dynamic``): they pick one
+    activation scale per call from the whole input, so a prompt's numbers depend on what its packed step holds
+    besides it (other prompts, a cached prefix), and tokens differ from stock ``generate`` on the prompt alone."""
+    dynamic = getattr(getattr(torch.ao.nn, "quantized", None), "dynamic", None)
+    kinds = tuple(getattr(dynamic, name) for name in ("Linear", "LSTM", "GRU") if hasattr(dynamic, name))
+    for name, module in model.named_modules():
+        if kinds and isinstance(module, kinds):
+            raise UnsupportedModelError(
+                f"{type(model).__name__}.{name} is a dynamically quantized {type(module).__name__} (quantize_dynamic): "
+                "it scales its input per call, over everything a packed step holds, so hfpaged's batched steps "
+                "would give other tokens than stock generate on each prompt alone. Serve the float model, or "
+                "quantize its weights only (e.g. bitsandbytes, torchao weight-only)"
+            )
+
+
 def discover_layers(
     model: torch.nn.Module, configs: list[PretrainedConfig], device: torch.device, lock: threading.RLock
 ) -> list[LayerRecord]:
     """Run a 2-token forward with a recording attention function to find every attention layer; refuse a model
     whose queries and keys do not follow the ``position_ids`` it is given (a second forward with them swapped)."""
     check_layer_types(model)
+    check_batch_dependent_modules(model)
     name = type(model).__name__
     first = _probe(model, configs, device, lock, [0, 1])
     if not first.records:
