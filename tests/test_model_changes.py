@@ -160,3 +160,20 @@ def test_an_engine_handle_dropped_with_prompts_running_has_them_aborted():
     assert_pool_free(model)
     hfpaged.sleep(model)  # nothing runs: the pool can be handed back
     assert hfpaged.stats(model)["asleep"]
+
+
+def test_a_model_built_under_inference_mode_patches_and_generates_as_stock():
+    # parameters that are inference tensors (a model built, or loaded with assign=True, inside
+    # torch.inference_mode) have no version counter: reading it crashed patch (a probe); they count as -1, and a
+    # new weight in new storage is still seen
+    with torch.inference_mode():
+        model = make_model("llama")
+    assert next(model.parameters()).is_inference()
+    prompts = random_prompts([7, 12, 7], seed=6)
+    hfpaged.patch(model, num_blocks=32, block_size=4)
+    assert greedy(model, prompts) == stock(model, prompts)
+    with torch.inference_mode():
+        layer = model.model.layers[0].self_attn.v_proj
+        layer.weight = torch.nn.Parameter(layer.weight * 2, requires_grad=False)
+    assert greedy(model, prompts) == stock(model, prompts)
+    assert_pool_free(model)

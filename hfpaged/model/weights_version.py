@@ -17,7 +17,8 @@ from .peft_compat import adapter_layers, adapter_state, inner_model
 
 def _version(tensor: torch.Tensor) -> int:
     """A tensor's version counter; -1 for an inference tensor, which has none (a RoPE buffer re-registered by a
-    forward under ``torch.inference_mode``: its storage still tells a new one apart)."""
+    forward under ``torch.inference_mode``, parameters of a model built or loaded under it, weights accelerate's
+    offload hooks load per forward: storage still tells a new one apart; in-place writes to them are not seen)."""
     return -1 if tensor.is_inference() else tensor._version
 
 
@@ -87,7 +88,7 @@ class WeightsVersion:
         buffers = [b for module in modules for b in module._buffers.values() if b is not None]
         return (
             (tuple(p.data_ptr() for p in params), tuple(_storage_ref(p) for p in params), _hooks(modules)),
-            tuple(p._version for p in params) + tuple((b.data_ptr(), _version(b)) for b in buffers),
+            tuple(_version(p) for p in params) + tuple((b.data_ptr(), _version(b)) for b in buffers),
             adapter_state(self.adapter_layers),
         )
 
