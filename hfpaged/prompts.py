@@ -281,10 +281,13 @@ class PromptMaker:
         bad = next((t for t in token_ids if t < 0 or t >= state.vocab_size), None)
         if bad is not None:
             raise ValueError(f"{prompt_name(index)} has token id {bad} outside the vocabulary [0, {state.vocab_size})")
-        if state.max_model_len is not None and len(token_ids) > state.max_model_len:
+        # a learned position table has no row past its positions (stock raises IndexError in the forward); RoPE
+        # models serve longer prompts, as stock does (limits of dynamic RoPE / longrope / windows: _validate_size)
+        table = state.position_table
+        if table is not None and len(token_ids) > table[0]:
             raise ValueError(
                 f"{prompt_name(index)} has {len(token_ids)} tokens, more than the model's maximum of "
-                f"{state.max_model_len} positions"
+                f"{table[0]} positions (its learned position table, {table[1]})"
             )
 
     def _validate_size(self, max_length: int, index: int | None, num_beams: int) -> None:

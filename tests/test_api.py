@@ -139,7 +139,7 @@ def test_empty_prompt_list_returns_empty(model):
         ([[5], "hello"], {}, "prompt 1 is a string but no tokenizer"),
         ([[5, VOCAB + 3]], {}, rf"prompt 0 has token id {VOCAB + 3} outside the vocabulary \[0, {VOCAB}\)"),
         ([[5, -1]], {}, "prompt 0 has token id -1 outside"),
-        ([[4], [5] * 600], {"max_new_tokens": 5}, "prompt 1 has 600 tokens, more than the model's maximum of 512"),
+        ([[4], [5] * 600], {"max_new_tokens": 5}, r"prompt 1 needs up to 604 KV slots \(151 blocks of 4\)"),
         (
             [[4] * 10],
             {"max_new_tokens": 200},

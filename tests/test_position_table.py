@@ -154,3 +154,21 @@ def test_a_rope_model_still_runs_past_max_position_embeddings():
     got = model.generate_many(prompts, max_new_tokens=20, do_sample=False, eos_token_id=None)
     assert [r.token_ids for r in got] == expected
     assert_pool_free(model)
+
+
+def test_prompts_longer_than_the_positions_a_rope_model_serves_a_table_refuses():
+    # stock generate serves a RoPE model's prompt longer than max_position_embeddings; a prompt longer than a learned
+    # table makes its forward raise IndexError: only the table refuses it up front (a probe found RoPE ones refused)
+    rope = make_model("llama", seed=3, max_position_embeddings=16)
+    prompts = random_prompts([23, 5], seed=9)
+    expected = reference_generate(rope, prompts, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    hfpaged.patch(rope, num_blocks=40, block_size=4)
+    got = rope.generate_many(prompts, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    assert [r.token_ids for r in got] == expected
+    assert_pool_free(rope)
+    table = tiny("gpt2")
+    hfpaged.patch(table, num_blocks=40, block_size=4)
+    with pytest.raises(ValueError, match=r"prompt 0 has 41 tokens, more than the model's maximum of 40 positions "
+                                         r"\(its learned position table, transformer.wpe, 40 rows\)"):  # fmt: skip
+        table.generate_many(random_prompts([41], seed=2), max_new_tokens=2)
+    assert_pool_free(table)
