@@ -357,3 +357,14 @@ def test_engine_add_request_takes_the_same_settings(model, prompts, plain):
     )
     with pytest.raises(ValueError, match="streamer"):
         engine.add_request(prompts[0], streamer=object())
+
+
+@pytest.mark.parametrize("flag", ["output_scores", "output_logits", "output_attentions", "output_hidden_states"])
+def test_output_flags_without_return_dict_are_ignored_as_stock_does(model, prompts, flag):
+    # a checkpoint's generation_config may carry them; stock generate ignores them unless return_dict_in_generate
+    expected = [
+        model.generate(torch.tensor([p]), max_new_tokens=3, do_sample=False, **{flag: True})[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    got = model.generate_many(prompts, max_new_tokens=3, do_sample=False, **{flag: True})
+    assert [r.token_ids for r in got] == expected

@@ -168,7 +168,9 @@ def _check_supported(config: GenerationConfig) -> None:
         if value not in (None, False, 0):
             raise ValueError(f"generate_many does not support {name}={value!r} ({what})")
     for name, hint in _UNSUPPORTED_TRUE.items():
-        if getattr(config, name, None):
+        # the output_* flags act only with return_dict_in_generate (stock ignores them otherwise: a checkpoint's
+        # generation_config may carry them)
+        if getattr(config, name, None) and (name == "return_dict_in_generate" or config.return_dict_in_generate):
             raise ValueError(f"generate_many does not support {name}=True ({hint})")
     if config.guidance_scale is not None and config.guidance_scale != 1:
         raise ValueError(
