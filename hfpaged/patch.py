@@ -3,17 +3,19 @@ you already have (a transformers model, or a PEFT model wrapping one)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel
 
 from .core.config import EngineConfig
 from .engine import EngineCore, engine_of
 from .generate import generate_many
-from .model.attach import attach, detach, get_state
+from .model.attach import attach, check_options, detach, get_state
 from .model.peft_compat import check_peft_model, inner_model
 from .model.weights_version import placement
 from .prompts import check_tokenizer
@@ -63,13 +65,17 @@ def patch(
         **options,
     )
     check_peft_model(model)
-    target = inner_model(model)  # a PEFT model's inner transformers model (it reaches the rest through it)
+    target = _target(model, "patch")  # a PEFT model's inner transformers model (it reaches the rest through it)
+    _check_materialized(target)
     existing = getattr(target, "_hfpaged", None)
     if existing is not None:
-        if existing.config == config and placement(existing.layers) == existing.placement:
+        now = placement(existing.layers)
+        if existing.config == config and now == existing.placement:
             if tokenizer is not None:
                 existing.tokenizer = tokenizer
             return model
+        # options the devices refuse are refused before the working patch (and what runs on it) is taken off
+        check_options([dataclasses.replace(r, device=p[1]) if p else r for r, p in zip(existing.layers, now)], config)
         tokenizer = tokenizer if tokenizer is not None else existing.tokenizer
         unpatch(target)
     state = attach(target, config, tokenizer)
@@ -84,7 +90,7 @@ def unpatch(model: PreTrainedModel) -> PreTrainedModel:
 
     Requests still running on the model (other threads, suspended streams) are aborted first.
     """
-    target = inner_model(model)
+    target = _target(model, "unpatch")
     state = getattr(target, "_hfpaged", None)
     if state is None:
         return model
@@ -96,6 +102,37 @@ def unpatch(model: PreTrainedModel) -> PreTrainedModel:
         target.__dict__.pop(name, None)
     detach(target)
     return model
+
+
+def _target(model: Any, verb: str) -> Any:
+    """The transformers model ``patch``/``unpatch`` work on (a PEFT model's inner one); a ``torch.compile`` wrapper
+    (or anything else that is not a transformers model) is refused: the patch belongs on the model itself."""
+    target = inner_model(model)
+    if isinstance(target, PreTrainedModel) or not isinstance(model, torch.nn.Module):
+        return target  # not a module at all: patch's check_model names it
+    inner = model.__dict__.get("_modules", {}).get("_orig_mod")  # torch.compile's OptimizedModule
+    wrapped = f" (torch.compile's wrapper of {type(inner).__name__}): pass the model itself, compiled._orig_mod"
+    raise TypeError(
+        f"hfpaged.{verb} expects a transformers PreTrainedModel, got {type(model).__name__}"
+        + (wrapped if inner is not None else "")
+    )
+
+
+def _check_materialized(model: torch.nn.Module) -> None:
+    """Refuse a model whose input embeddings are on the meta device (accelerate's ``cpu_offload``/``disk_offload``, a
+    ``device_map`` that puts them, or everything, on ``"disk"``): hfpaged runs its steps on their device. Other
+    modules offloaded to disk are loaded by their hooks as in stock calls."""
+    if not isinstance(model, PreTrainedModel) or model.get_input_embeddings() is None:
+        return  # check_model names it
+    embeddings = {id(p) for p in model.get_input_embeddings().parameters()}
+    name = next((n for n, p in model.named_parameters() if id(p) in embeddings and p.device.type == "meta"), None)
+    if name is not None:
+        raise ValueError(
+            f"hfpaged cannot patch {type(model).__name__}: parameter {name!r} is on the meta device (weights offloaded "
+            "by accelerate: cpu_offload, disk_offload or a device_map that puts them on 'disk'); hfpaged runs its "
+            "steps on the input embeddings' device and needs their weights materialized there: load the model "
+            "without offloading them"
+        )
 
 
 def sleep(model: PreTrainedModel) -> None:

@@ -7,7 +7,7 @@ from models import GPTJ_CONFIG, VOCAB, make_model, random_prompts, reference_gen
 from transformers import AutoModelForCausalLM
 
 import hfpaged
-from hfpaged.model.attention import ATTENTION_NAME
+from hfpaged.model.attention import ATTENTION_NAME, UnsupportedModelError
 
 
 @pytest.fixture
@@ -123,6 +123,105 @@ def test_unknown_patch_option_and_bad_config_values():
     with pytest.raises(ValueError, match="enable_prefix_caching must be True or False, got 'yes'"):
         hfpaged.patch(m, enable_prefix_caching="yes")
     assert not hasattr(m, "_hfpaged")
+
+
+@pytest.mark.parametrize(
+    "options", [dict(block_size=0), dict(attention_backend="triton"), dict(gemv=True), dict(dependent_launch=True)]
+)
+def test_a_refused_repatch_leaves_the_working_patch_and_its_requests(model, monkeypatch, options):
+    # the device checks (Triton kernels on a CPU model) ran after the old patch was taken off: the model was left
+    # unpatched and what ran on it aborted; block_size=0 (refused by EngineConfig) is the control
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    prompts = random_prompts([6, 9], seed=4)
+    before = [r.token_ids for r in model.generate_many(prompts, max_new_tokens=6)]
+    with pytest.raises(ValueError) as fresh:
+        hfpaged.patch(make_model("llama"), **options)
+    engine = hfpaged.Engine(model)
+    engine.add_request(prompts[0], request_id="running", max_new_tokens=6, do_sample=False)
+    tokens = [t for out in engine.step() for t in out.new_token_ids]
+    state = model._hfpaged
+    with pytest.raises(ValueError) as refused:
+        hfpaged.patch(model, **options)
+    assert str(refused.value) == str(fresh.value)  # the same refusal as on an unpatched model
+    assert model._hfpaged is state and hfpaged.stats(model)["num_blocks"] == 40
+    while engine.has_unfinished():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    assert tokens == before[0]
+    assert [r.token_ids for r in model.generate_many(prompts, max_new_tokens=6)] == before
+    assert all_free(model)
+
+
+def test_patch_and_unpatch_of_a_torch_compile_wrapper_ask_for_the_model_itself(model):
+    # unpatch(torch.compile(model)) dropped the engine state but left generate_many and the forward wrapper on the
+    # model inside; patch of the wrapper was refused (and one with other settings half-unpatched the model first)
+    compiled = torch.compile(model)
+    prompts = random_prompts([6, 9], seed=5)
+    before = [r.token_ids for r in model.generate_many(prompts, max_new_tokens=5)]
+    wrapper = r"got OptimizedModule \(torch.compile's wrapper of LlamaForCausalLM\): pass the model itself"
+    for call in (hfpaged.unpatch, hfpaged.patch, lambda m: hfpaged.patch(m, num_blocks=20, block_size=8)):
+        with pytest.raises(TypeError, match=wrapper):
+            call(compiled)
+    assert [r.token_ids for r in model.generate_many(prompts, max_new_tokens=5)] == before  # still fully patched
+    assert all_free(model)
+    assert hfpaged.unpatch(compiled._orig_mod) is model
+    assert not hasattr(model, "_hfpaged") and "forward" not in model.__dict__
+    assert not any(hasattr(model, name) for name in ("generate_many", "stream_many", "astream_many"))
+
+
+def test_a_forward_that_raises_in_the_probe_is_reported_without_blaming_the_attention():
+    m = make_model("llama")
+
+    def hook(module, args, output):
+        raise RuntimeError("my hook failed")
+
+    handle = m.model.layers[1].mlp.register_forward_hook(hook)
+    message = r"LlamaForCausalLM's forward raised RuntimeError: my hook failed during hfpaged's probe forward"
+    with pytest.raises(UnsupportedModelError, match=message) as info:
+        hfpaged.patch(m, num_blocks=8)
+    assert "AttentionInterface" not in str(info.value) and "not reachable" not in str(info.value)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert not hasattr(m, "_hfpaged")
+    handle.remove()
+    hfpaged.patch(m, num_blocks=8)
+    prompts = random_prompts([7], seed=6)
+    assert [r.token_ids for r in m.generate_many(prompts, max_new_tokens=4, do_sample=False)] == (
+        reference_generate(m, prompts, max_new_tokens=4, do_sample=False)
+    )
+
+
+@pytest.mark.parametrize("how", ["cpu_offload", "meta embeddings"])
+def test_input_embeddings_on_the_meta_device_are_refused_at_patch(model, how):
+    # accelerate's whole-model offload keeps the weights on the meta device: patch blamed the attention interface
+    m = make_model("llama")
+    if how == "cpu_offload":
+        pytest.importorskip("accelerate").cpu_offload(m, execution_device=torch.device("cpu"))
+    else:
+        weight = m.model.embed_tokens.weight
+        m.model.embed_tokens.weight = torch.nn.Parameter(torch.empty_like(weight, device="meta"))
+    message = r"parameter 'model.embed_tokens.weight' is on the meta device .* load the model without offloading"
+    with pytest.raises(ValueError, match=message):
+        hfpaged.patch(m, num_blocks=8)
+    assert not hasattr(m, "_hfpaged") and not hasattr(m, "generate_many")
+    state = model._hfpaged  # a patched model offloaded since keeps its patch when patched again
+    weight = model.model.embed_tokens.weight
+    model.model.embed_tokens.weight = torch.nn.Parameter(torch.empty_like(weight, device="meta"))
+    with pytest.raises(ValueError, match=message):
+        hfpaged.patch(model, num_blocks=20)
+    assert model._hfpaged is state
+
+
+def test_layers_offloaded_to_disk_by_a_device_map_are_not_refused(tmp_path):
+    # only the input embeddings must be materialized; a decoder layer on "disk" is loaded by its hook
+    pytest.importorskip("accelerate")
+    make_model("llama").save_pretrained(tmp_path / "ckpt")
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk"}
+    device_map.update({"model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"})
+    m = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", device_map=device_map, offload_folder=tmp_path / "off")
+    assert m.model.layers[1].self_attn.q_proj.weight.device.type == "meta"
+    prompts = random_prompts([7, 11], seed=7)
+    expected = reference_generate(m, prompts, max_new_tokens=5, do_sample=False)
+    hfpaged.patch(m, num_blocks=16, block_size=4)
+    assert [r.token_ids for r in m.generate_many(prompts, max_new_tokens=5, do_sample=False)] == expected
 
 
 # --- generate_many inputs -------------------------------------------------------------------------

@@ -195,17 +195,7 @@ def _attach(
     rope_limit = hf_compat.rope_length_limit(model, served=("longrope",) if long_rope is not None else ())
     model_len = max_model_len(model)
     kv_dtype = cache_dtype(config.kv_cache_dtype)
-    if kv_dtype is not None:
-        for device in {layer.device for layer in layers}:
-            check_fp8_device(device, kv_dtype, config.kv_cache_dtype)
-    if config.dependent_launch:
-        check_dependent_launch(layers, config.attention_backend)
-    if config.gemv:
-        check_triton_devices(layers, "gemv=True", "leave gemv None or False there")
-    if config.attention_backend == "triton":
-        check_triton_devices(layers, "attention_backend='triton'", "use 'auto' or 'torch' there")
-        if (wide := wide_heads(layers)) is not None:
-            raise ValueError(f"attention_backend='triton': {wide}; use 'auto' (the torch attention for this model)")
+    check_options(layers, config)
     length_limit = min((limit for limit in (rope_limit, window_length_limit(model, layers)) if limit), default=None)
     profile_len = min(model_len or length_limit[0], length_limit[0]) if length_limit else model_len
     num_blocks = size_pool(model, config, layers, attn_configs, input_device, profile_len, lock, long_rope)
@@ -279,6 +269,23 @@ def _check_owners(model: torch.nn.Module, layers: list[LayerRecord]) -> None:
                 f"({type(owner).__name__} at {id(owner):#x}): two patched models cannot share attention modules, each "
                 "binds its own KV pool to them; unpatch the other model first"
             )
+
+
+def check_options(layers: list[LayerRecord], config: EngineConfig) -> None:
+    """Raise ValueError for options the layers' devices cannot run (fp8 caches, Triton kernels); ``patch`` runs it
+    before taking an existing patch off, so a refused re-patch leaves that one working."""
+    kv_dtype = cache_dtype(config.kv_cache_dtype)
+    if kv_dtype is not None:
+        for device in {layer.device for layer in layers}:
+            check_fp8_device(device, kv_dtype, config.kv_cache_dtype)
+    if config.dependent_launch:
+        check_dependent_launch(layers, config.attention_backend)
+    if config.gemv:
+        check_triton_devices(layers, "gemv=True", "leave gemv None or False there")
+    if config.attention_backend == "triton":
+        check_triton_devices(layers, "attention_backend='triton'", "use 'auto' or 'torch' there")
+        if (wide := wide_heads(layers)) is not None:
+            raise ValueError(f"attention_backend='triton': {wide}; use 'auto' (the torch attention for this model)")
 
 
 def check_dependent_launch(layers: list[LayerRecord], attention_backend: str) -> None:
