@@ -164,10 +164,12 @@ def _probe(model, configs, device, lock, positions: list[int]) -> Discovery:
             model(input_ids=input_ids, position_ids=position_ids, use_cache=False, hfpaged=context)
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(f"{name}: {exc}") from None
-    except Exception as exc:  # the model rejected the packed call: not usable with hfpaged
+    except Exception as exc:  # anything the forward runs (the model's code, hooks, weights): the cause is chained
         raise UnsupportedModelError(
-            f"{name} failed a packed forward through the hfpaged attention implementation "
-            f"({type(exc).__name__}: {exc}); its attention is not reachable through transformers' AttentionInterface"
+            f"{name}'s forward raised {type(exc).__name__}: {exc} during hfpaged's probe forward (a packed forward "
+            "through the hfpaged attention implementation that finds the attention layers), so hfpaged cannot patch "
+            "it; the exception above says where it was raised (a stock forward that fails too points at the model "
+            "or its hooks rather than at hfpaged's packed call)"
         ) from exc
     return context
 
