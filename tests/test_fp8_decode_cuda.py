@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 from models import make_model, random_prompts
-from test_fp8_kernels import FMT_IDS, FORMATS, fp8_batch, reference64
+from test_fp8_kernels import FMT_IDS, FORMATS, captured_attention, fp8_batch, reference64
 from test_kernels import assert_close
 
 import hfpaged
@@ -98,14 +98,7 @@ def test_gpu_fused_store_writes_store_kv_bytes(cuda_calls, fmt, slot_dtype):
 def test_gpu_graph_replay_reads_scales_lengths_and_tables_at_replay(cuda_calls):
     static, kwargs = decode_batch(torch.float8_e4m3fn, torch.bfloat16, seed=1)
     kwargs["max_seqlen_k"] = 4096
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        paged_attention(**static, **kwargs)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = paged_attention(**static, **kwargs)
+    graph, out = captured_attention(static, kwargs)
     assert len(cuda_calls) == 2
     gen = torch.Generator(device="cuda").manual_seed(0)
     for k_scale, v_scale in ((0.5, 2.0), (0.01, 0.3)):

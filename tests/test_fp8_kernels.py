@@ -255,11 +255,9 @@ def test_gpu_fp8_attention(q_lens, seq_lens, window, softcap, fmt, dtype):
     assert_close(out, ref.to(dtype), dtype)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", FORMATS, ids=FMT_IDS)
-def test_gpu_fp8_cuda_graph_decode_reads_scales_at_replay(fmt):
-    static = _gpu_fp8_batch([1] * 4, [4000] * 4, fmt, torch.bfloat16)
-    kwargs = dict(scale=128**-0.5, max_seqlen_q=1, max_seqlen_k=8192)
+def captured_attention(static, kwargs):
+    """``paged_attention(**static, **kwargs)`` run once on a side stream, then captured in a CUDA graph: (graph, the
+    output tensor its replays write)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -268,6 +266,15 @@ def test_gpu_fp8_cuda_graph_decode_reads_scales_at_replay(fmt):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = paged_attention(**static, **kwargs)
+    return graph, out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS, ids=FMT_IDS)
+def test_gpu_fp8_cuda_graph_decode_reads_scales_at_replay(fmt):
+    static = _gpu_fp8_batch([1] * 4, [4000] * 4, fmt, torch.bfloat16)
+    kwargs = dict(scale=128**-0.5, max_seqlen_q=1, max_seqlen_k=8192)
+    graph, out = captured_attention(static, kwargs)
     abs_v = dict(static, v_cache=static["v_cache"].float().abs().to(fmt))  # |v|, exact in fp8
     for k_scale, v_scale in ((0.5, 2.0), (0.01, 0.3)):  # scales written after capture, as calibration does
         static["k_scale"].fill_(k_scale)

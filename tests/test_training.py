@@ -15,9 +15,12 @@ peft = pytest.importorskip("peft")  # a dev dependency; the import makes PEFT mo
 NEW = 10
 
 
-def lora(model, name="default", seed=0, rank=4):
-    """A LoRA adapter with random (non-zero) B matrices, so the adapted model differs from the base."""
-    config = peft.LoraConfig(r=rank, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
+def lora(model, name="default", seed=0, rank=4, config=None):
+    """A LoRA adapter (or ``config``'s) with random (non-zero) B matrices, so the adapted model differs from the base."""
+    if config is None:
+        config = peft.LoraConfig(
+            r=rank, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0
+        )
     if isinstance(model, peft.PeftModel):
         model.add_adapter(name, config)
     else:
@@ -261,16 +264,7 @@ def alora(model, name, invocation, seed=0):
         task_type="CAUSAL_LM",
         alora_invocation_tokens=invocation,
     )
-    if isinstance(model, peft.PeftModel):
-        model.add_adapter(name, config)
-    else:
-        model = peft.get_peft_model(model, config, adapter_name=name)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for module_name, param in model.named_parameters():
-            if "lora_B" in module_name and f".{name}." in module_name:
-                param.normal_(0, 0.5)
-    return model
+    return lora(model, name, seed, config=config)
 
 
 @alora_supported
