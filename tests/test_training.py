@@ -356,3 +356,22 @@ def test_steps_run_under_another_adapter_state_between_calls_publish_nothing_sta
     peft_model.set_adapter("default")
     assert greedy(peft_model, others) == stock(peft_model, others) != other_tokens
     assert hfpaged.stats(peft_model)["num_free_blocks"] == hfpaged.stats(peft_model)["num_blocks"]
+
+
+def test_a_later_adapter_layer_toggled_between_calls_while_steps_run_publishes_nothing_stale(peft_model):
+    # per-layer toggles (enable_adapters on one layer, scale_layer) of a layer other than the first, undone before
+    # the next call: the per-step check read only the first adapter layer (a probe); it reads them all
+    prompt = random_prompts([13], seed=5)[0]
+    later = [m for n, m in peft_model.named_modules() if "layers.1." in n and hasattr(m, "lora_A")]
+    assert later
+    adapted = stock(peft_model, [prompt])
+    peft_model.generate_many(random_prompts([5], seed=1), max_new_tokens=2)  # weights checked, adapters on
+    engine = hfpaged.Engine(peft_model)
+    engine.add_request(prompt, max_new_tokens=NEW, do_sample=False)
+    for module in later:
+        module.enable_adapters(False)
+    while engine.has_unfinished():
+        engine.step()
+    for module in later:
+        module.enable_adapters(True)
+    assert greedy(peft_model, [prompt]) == adapted
