@@ -9,6 +9,7 @@ token past the table (an overlapped step planned ahead included: on CUDA it is a
 import threading
 
 import pytest
+import torch
 from models import make_model, random_prompts, reference_generate
 
 import hfpaged
@@ -172,3 +173,23 @@ def test_prompts_longer_than_the_positions_a_rope_model_serves_a_table_refuses()
                                          r"\(its learned position table, transformer.wpe, 40 rows\)"):  # fmt: skip
         table.generate_many(random_prompts([41], seed=2), max_new_tokens=2)
     assert_pool_free(table)
+
+
+def test_a_table_smaller_than_the_config_says_ends_where_its_rows_do():
+    # a position table of 24 rows in a model whose config says 32 positions (a probe): found by its rows, so the
+    # request running past it fails alone instead of failing every step of every caller
+    model = make_model("gpt2", seed=3, n_positions=32)
+    model.transformer.wpe = torch.nn.Embedding(24, model.config.n_embd)
+    short, long = random_prompts([5, 20], seed=4)
+    expected = reference_generate(model, [short], max_new_tokens=6, do_sample=False, eos_token_id=None)
+    hfpaged.patch(model, num_blocks=40, block_size=4)
+    assert model._hfpaged.position_table == (24, "transformer.wpe, 24 rows")
+    engine = hfpaged.Engine(model)
+    engine.add_request(long, max_new_tokens=10, do_sample=False, eos_token_id=None)
+    got = model.generate_many([short], max_new_tokens=6, do_sample=False, eos_token_id=None)
+    assert [r.token_ids for r in got] == expected
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert outputs[-1].finish_reason == "error" and "positions 0-23 only" in outputs[-1].error
+    assert_pool_free(model)

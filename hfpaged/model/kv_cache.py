@@ -216,12 +216,10 @@ POSITION_TABLE_NAMES = ("wpe", "embed_positions", "position_embeddings")
 def position_table(model: torch.nn.Module) -> tuple[int, str] | None:
     """The positions a learned absolute position table has rows for, and the table's description; None: none found.
 
-    Conservative: an ``nn.Embedding`` (or subclass) under one of ``POSITION_TABLE_NAMES`` whose rows are exactly
-    the config's ``max_position_embeddings`` (``n_positions``) plus its ``offset`` (OPT's 2). Stock ``generate``
-    raises ``IndexError`` when it forwards a token at a position past such a table; RoPE models have none."""
-    model_len = max_model_len(model)
-    if model_len is None:
-        return None
+    An ``nn.Embedding`` (or subclass) of the language model under one of ``POSITION_TABLE_NAMES``: its rows less its
+    ``offset`` (OPT's 2), whatever the config says (a table of other size than ``max_position_embeddings`` still
+    ends where its rows do). Stock ``generate`` raises ``IndexError`` when it forwards a token at a position past
+    such a table; RoPE models have none. A table under another name is not found (README, Supported models)."""
     try:  # the language model only (a vision tower's position table is not the text's positions)
         decoder = model.get_decoder()
     except Exception:
@@ -231,13 +229,10 @@ def position_table(model: torch.nn.Module) -> tuple[int, str] | None:
     for name, module in model.named_modules():
         if name.rpartition(".")[2] not in POSITION_TABLE_NAMES or not isinstance(module, torch.nn.Embedding):
             continue
-        if id(module) not in inside:
-            continue
         offset = getattr(module, "offset", 0)
-        if isinstance(offset, int) and module.num_embeddings == model_len + offset:
-            found.append(
-                (model_len, f"{name}, {module.num_embeddings} rows" + (f", offset {offset}" if offset else ""))
-            )
+        if id(module) in inside and isinstance(offset, int) and module.num_embeddings > offset:
+            rows = f"{name}, {module.num_embeddings} rows" + (f", offset {offset}" if offset else "")
+            found.append((module.num_embeddings - offset, rows))
     return min(found) if found else None
 
 
