@@ -126,7 +126,14 @@ def test_unknown_patch_option_and_bad_config_values():
 
 
 @pytest.mark.parametrize(
-    "options", [dict(block_size=0), dict(attention_backend="triton"), dict(gemv=True), dict(dependent_launch=True)]
+    "options",
+    [
+        dict(block_size=0),
+        dict(attention_backend="triton"),
+        dict(gemv=True),
+        dict(dependent_launch=True),
+        dict(kv_cache_dtype="fp8", kv_cache_scales=[(0.1, 0.1)] * 3),  # 3 pairs for 2 layers (checked in attach)
+    ],
 )
 def test_a_refused_repatch_leaves_the_working_patch_and_its_requests(model, monkeypatch, options):
     # the device checks (Triton kernels on a CPU model) ran after the old patch was taken off: the model was left

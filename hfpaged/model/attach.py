@@ -36,7 +36,7 @@ from .kv_cache import (
     size_pool,
     window_length_limit,
 )
-from .kv_quant import cache_dtype, check_fp8_device, initial_scales
+from .kv_quant import cache_dtype, check_fp8_device, given_scales, initial_scales
 from .long_rope import LongRope, find_long_rope
 from .swap_space import SwapSpace, swap_blocks
 from .tensor_parallel import TensorParallel, find_tensor_parallel
@@ -272,12 +272,14 @@ def _check_owners(model: torch.nn.Module, layers: list[LayerRecord]) -> None:
 
 
 def check_options(layers: list[LayerRecord], config: EngineConfig) -> None:
-    """Raise ValueError for options the layers' devices cannot run (fp8 caches, Triton kernels); ``patch`` runs it
-    before taking an existing patch off, so a refused re-patch leaves that one working."""
+    """Raise ValueError for options the layers cannot take (fp8 caches on their devices and one scale pair per layer,
+    Triton kernels); ``patch`` runs it before taking an existing patch off, so a refused re-patch leaves that one
+    working."""
     kv_dtype = cache_dtype(config.kv_cache_dtype)
     if kv_dtype is not None:
         for device in {layer.device for layer in layers}:
             check_fp8_device(device, kv_dtype, config.kv_cache_dtype)
+        given_scales(layers, config)
     if config.dependent_launch:
         check_dependent_launch(layers, config.attention_backend)
     if config.gemv:

@@ -63,17 +63,26 @@ def _checkpoint_scales(module: torch.nn.Module) -> tuple[float, float] | None:
     return float(k_scale.detach().float().max()), float(v_scale.detach().float().max())
 
 
+def given_scales(layers: list[LayerRecord], config: EngineConfig) -> list[tuple[float, float]] | None:
+    """The user's ``kv_cache_scales`` as one (k_scale, v_scale) pair per layer (None: not given); ValueError for a
+    count that does not match the layers (``patch`` checks it before taking an existing patch off)."""
+    given = config.kv_cache_scales
+    if given is None:
+        return None
+    pairs = [(float(given), float(given))] * len(layers) if isinstance(given, (int, float)) else list(given)
+    if len(pairs) != len(layers):
+        raise ValueError(
+            f"kv_cache_scales has {len(pairs)} (k_scale, v_scale) pairs but the model has {len(layers)} "
+            "attention layers; give one pair per layer, or one float for all"
+        )
+    return pairs
+
+
 def initial_scales(layers: list[LayerRecord], config: EngineConfig) -> tuple[list[torch.Tensor], str]:
     """One float32 ``[2]`` (k_scale, v_scale) tensor per layer on its device, and where they came from:
     ``"user"``, ``"checkpoint"`` or ``"calibration"`` (ones until the first forward that stores K/V)."""
-    given = config.kv_cache_scales
-    if given is not None:
-        pairs = [(float(given), float(given))] * len(layers) if isinstance(given, (int, float)) else list(given)
-        if len(pairs) != len(layers):
-            raise ValueError(
-                f"kv_cache_scales has {len(pairs)} (k_scale, v_scale) pairs but the model has {len(layers)} "
-                "attention layers; give one pair per layer, or one float for all"
-            )
+    pairs = given_scales(layers, config)
+    if pairs is not None:
         source = "user"
     else:
         found = [_checkpoint_scales(layer.module) for layer in layers]
