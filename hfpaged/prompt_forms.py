@@ -4,7 +4,7 @@ makes of them: a 2-D batch's attention mask, the pad token it would mask by itse
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -106,7 +106,14 @@ def prompt_list(prompts: Any, kwargs: dict[str, Any]) -> list[Any]:
                 )
             return [UnpaddedIds(t for t, keep in zip(row, keep_row) if keep) for row, keep_row in zip(rows, keeps)]
         return rows  # rows holding the pad token: refused per prompt (check_pad_tokens), as lists are
-    if isinstance(prompts, (str, dict)):
+    if isinstance(prompts, Mapping) and "prompt" not in prompts:  # a tokenizer's BatchEncoding (a UserDict), ...
+        keys = ", ".join(repr(k) for k in list(prompts)[:4])
+        raise TypeError(
+            f"prompts is a {type(prompts).__name__} (keys {keys}), not a list of prompts: for a tokenizer's output "
+            "(tokenizer(...), apply_chat_template(...)) pass enc['input_ids'] as the prompts, with "
+            "attention_mask=enc['attention_mask'] where it holds padding"
+        )
+    if isinstance(prompts, (str, Mapping)):
         raise ValueError("prompts must be a list of prompts (strings, token-id lists or dicts), not a single prompt")
     if not isinstance(prompts, (list, tuple)) and not hasattr(prompts, "__iter__"):
         raise TypeError(

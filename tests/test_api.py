@@ -470,3 +470,19 @@ def test_sampling_runs_respects_top_k_and_is_reproducible_with_a_seed(model):
             top3 = logits.topk(3, dim=-1).indices
             assert all(t in top3[i].tolist() for i, t in enumerate(r.token_ids))
     assert all_free(model)
+
+
+def test_a_tokenizers_batch_encoding_as_the_prompts_is_refused_clearly(model):
+    # a BatchEncoding (tokenizer(...) or apply_chat_template(...) output) is a UserDict: iterating it gave its key
+    # names, which generate_many then tokenized and generated from as two text prompts (a probe)
+    from transformers import BatchEncoding
+
+    encoding = BatchEncoding({"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3)})
+    for call in (model.generate_many, model.stream_many):
+        with pytest.raises(
+            TypeError, match=r"BatchEncoding \(keys 'input_ids', 'attention_mask'\).*enc\['input_ids'\]"
+        ):
+            list(call(encoding, max_new_tokens=3))
+    with pytest.raises(ValueError, match="not a single prompt"):
+        model.generate_many({"prompt": [5, 6, 7]}, max_new_tokens=3)
+    assert all_free(model)
