@@ -87,10 +87,11 @@ def prompt_list(prompts: Any, kwargs: dict[str, Any]) -> list[Any]:
                 f"prompts is a {prompts.ndim}-D {type(prompts).__name__} of shape {tuple(prompts.shape)}; give a list of "
                 "prompts, or a 2-D [batch, length] tensor of token ids (one prompt per row)"
             )
-        rows = torch.as_tensor(prompts).cpu().tolist()
+        # numpy rows as Python ints directly (torch refuses negative strides and big-endian arrays)
+        rows = prompts.tolist() if isinstance(prompts, np.ndarray) else prompts.cpu().tolist()
         mask = kwargs.pop("attention_mask", None)
         if mask is not None:
-            mask = torch.as_tensor(mask).cpu()
+            mask = torch.as_tensor(np.asarray(mask).tolist() if isinstance(mask, np.ndarray) else mask).cpu()
             if tuple(mask.shape) != tuple(prompts.shape):
                 raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but prompts has {tuple(prompts.shape)}")
             if not bool(((mask == 0) | (mask == 1)).all()):

@@ -1,5 +1,6 @@
 """patch / unpatch / Engine API, bad input, and recovery after failures."""
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -485,4 +486,16 @@ def test_a_tokenizers_batch_encoding_as_the_prompts_is_refused_clearly(model):
             list(call(encoding, max_new_tokens=3))
     with pytest.raises(ValueError, match="not a single prompt"):
         model.generate_many({"prompt": [5, 6, 7]}, max_new_tokens=3)
+    assert all_free(model)
+
+
+def test_2d_numpy_batches_of_any_layout_are_taken_as_their_rows(model):
+    # negative strides and big-endian dtypes failed inside torch.as_tensor for a 2-D batch (1-D prompts were taken)
+    rows = np.array(random_prompts([6, 6], seed=7), dtype=np.int64)
+    expected = [r.token_ids for r in model.generate_many([list(r) for r in rows], max_new_tokens=3, do_sample=False)]
+    flipped_rows, flipped_columns = rows[::-1].copy()[::-1], rows[:, ::-1].copy()[:, ::-1]  # negative strides
+    assert flipped_rows.strides[0] < 0 and flipped_columns.strides[1] < 0
+    for batch in (flipped_rows, flipped_columns, rows.astype(">i8")):
+        got = model.generate_many(batch, max_new_tokens=3, do_sample=False, attention_mask=np.ones_like(batch)[:, ::-1])
+        assert [r.token_ids for r in got] == expected
     assert all_free(model)
