@@ -58,10 +58,6 @@ class _Kernel:
     def registers(self) -> int:
         return self.attribute(4)  # CU_FUNC_ATTRIBUTE_NUM_REGS
 
-    @property
-    def local_bytes(self) -> int:
-        return self.attribute(3)  # CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES
-
 
 _LIBS: dict[str, ctypes.CDLL] = {}
 
@@ -141,8 +137,8 @@ def smem_bytes(head_dim: int, group: int) -> int:
 
 def get_kernel(device: torch.device, **key) -> _Kernel:
     """The compiled variant for ``key`` (``_defines``' arguments) on ``device``, built on first use."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    full_key = (index, NUM_WARPS, NUM_STAGES, *sorted(key.items()))
+    full_key = _key(device, key)
+    index = full_key[0]
     kernel = _KERNELS.get(full_key)
     if kernel is not None:
         return kernel
@@ -198,9 +194,14 @@ def _variant(q, k_cache, store: bool) -> dict:
     )  # fmt: skip
 
 
-def _compiled(device: torch.device, variant: dict) -> bool:
+def _key(device: torch.device, variant: dict) -> tuple:
+    """A variant's entry in the compile cache: the device index, the launch shape and the compile-time settings."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return (index, NUM_WARPS, NUM_STAGES, *sorted(variant.items())) in _KERNELS
+    return (index, NUM_WARPS, NUM_STAGES, *sorted(variant.items()))
+
+
+def _compiled(device: torch.device, variant: dict) -> bool:
+    return _key(device, variant) in _KERNELS
 
 
 def fp8_decode_usable(
@@ -254,8 +255,7 @@ def fp8_decode_usable(
 def _built(device: torch.device, variant: dict) -> bool:
     """Build the variant if needed; a failure (an NVRTC too old for the GPU, a cubin the driver refuses) warns once
     and leaves that variant to the Triton kernel from then on."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, NUM_WARPS, NUM_STAGES, *sorted(variant.items()))
+    key = _key(device, variant)
     if key in _FAILED:
         return False
     try:
