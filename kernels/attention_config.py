@@ -28,6 +28,15 @@ MID_BATCH_SPLITS: dict[int, tuple[float, float, tuple[int, int, int] | None, int
     2: (0.45, 2.0, (32, 4, 2), 8, 4, 4),
     1: (0.45, 2.0, (128, 4, 2), 8, 4, 0),
 }
+# Decode batches that the CUDA fp8 kernel runs (kernels/fp8_decode.py: one CTA of 4 warps per sequence x KV head x
+# split, at most 4 CTAs per SM by registers): context splits bring the CTAs to about CUDA_FP8_CTAS_PER_SM per SM
+# (rounded to the nearest count), each split covering at least CUDA_FP8_MIN_SPLIT_KEYS keys. H100 (session 33,
+# notes/results/session33/call1, batches of 6-64 sequences at 4-8.7k, 0.3-1.4k and 0.1-0.6k keys, Qwen3 and
+# Llama-3.2-1B heads): within 4% of the best split count of the sweep everywhere but at 16-32 sequences of
+# 0.1-0.6k keys (1-2 us above no split at all), against up to 1.36x the best with MID_BATCH_SPLITS (tuned for
+# Triton's tiles). 0: the CUDA kernel takes the Triton kernel's split rule (benchmarks compare the two).
+CUDA_FP8_CTAS_PER_SM = 3
+CUDA_FP8_MIN_SPLIT_KEYS = 128
 # Decode tiles (TILE_N, num_warps, num_stages) by the bytes of one K/V element as the dots see it (the query's
 # for 16/32-bit caches; 1 for fp8 caches with 16-bit queries, whose tiles are loaded at 1 byte per element),
 # for head_dim_pad <= 128 and for larger heads. H100 sweep (bf16): 2 stages beat 3-4 (more programs per SM).
@@ -81,6 +90,12 @@ def split_count(active_programs: int, max_seqlen_k: int, sm_count: int, programs
     return max(1, splits)
 
 
+def cuda_fp8_split_count(active_programs: int, max_seqlen_k: int, sm_count: int) -> int:
+    """Context splits for the CUDA fp8 decode kernel: ~CUDA_FP8_CTAS_PER_SM CTAs per SM (1 = no split)."""
+    splits = (2 * CUDA_FP8_CTAS_PER_SM * sm_count + max(active_programs, 1)) // (2 * max(active_programs, 1))
+    return max(1, min(splits, max_seqlen_k // CUDA_FP8_MIN_SPLIT_KEYS, MAX_SPLITS))
+
+
 def decode_like(max_seqlen_q: int, group: int) -> bool:
     """Whether a batch whose longest query run is ``max_seqlen_q`` uses the decode tiles."""
     return max_seqlen_q * group <= DECODE_MAX_ROWS
@@ -98,10 +113,13 @@ def choose_config(
     max_seqlen_k: int,
     device: torch.device,
     kv_elem_size: int | None = None,
+    cuda_fp8_decode: bool = False,
 ) -> AttentionConfig:
     """Pick tiles and the number of context splits from shapes and the host hints (never device values).
 
     ``elem_size`` is the query's element size, ``kv_elem_size`` the cache's (None: the same; 1 for fp8).
+    ``cuda_fp8_decode``: a batch of one query token per sequence runs on the CUDA fp8 decode kernel (its own split
+    rule; the tiles are the Triton kernel's, should it run instead).
     """
     if decode_like(max_seqlen_q, group):
         block_m = max(16, next_power_of_2(max_seqlen_q * group))
@@ -110,16 +128,20 @@ def choose_config(
         block_q = max(1, block_m // group)
         active_programs = min(num_tokens, num_seqs * cdiv(max_seqlen_q, block_q)) * num_kv_heads
         sm_count = _sm_count(device)
+        # one query token per sequence (each at most max_seqlen_q = 1, T of them over T sequences): programs map to
+        # sequences by their index, without the search over cu_seqlens_q
+        one_query = max_seqlen_q == 1 and num_tokens == num_seqs
         programs_per_sm, min_tiles, target_per_sm = PROGRAMS_PER_SM, 1, 0
         mid = MID_BATCH_SPLITS.get(tiles_key) if head_dim_pad <= 128 else None
         if mid is not None and mid[0] * sm_count <= active_programs <= mid[1] * sm_count:
             _, _, mid_tile, programs_per_sm, min_tiles, target_per_sm = mid
             if mid_tile is not None:
                 tile_n, num_warps, num_stages = mid_tile
+        if cuda_fp8_decode and one_query and CUDA_FP8_CTAS_PER_SM > 0:
+            num_splits = cuda_fp8_split_count(active_programs, max_seqlen_k, sm_count)
+            min_tiles = cdiv(CUDA_FP8_MIN_SPLIT_KEYS, tile_n)
+            return AttentionConfig(block_m, tile_n, num_warps, num_stages, num_splits, min_tiles, 0, one_query)
         num_splits = split_count(active_programs, max_seqlen_k, sm_count, programs_per_sm)
-        # one query token per sequence (each at most max_seqlen_q = 1, T of them over T sequences): programs map to
-        # sequences by their index, without the search over cu_seqlens_q
-        one_query = max_seqlen_q == 1 and num_tokens == num_seqs
         if num_splits == 1:
             return AttentionConfig(block_m, tile_n, num_warps, num_stages, one_query=one_query)
         return AttentionConfig(

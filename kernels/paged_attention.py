@@ -97,8 +97,10 @@ def config_for_batch(
     v_cache: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
+    cuda_fp8_decode: bool = False,
 ) -> AttentionConfig:
-    """The tile config ``paged_attention`` launches for a batch of this shape (the warm-up compiles by it too)."""
+    """The tile config ``paged_attention`` launches for a batch of this shape (the warm-up compiles by it too);
+    ``cuda_fp8_decode``: a one-query-per-sequence batch will run on the CUDA fp8 decode kernel."""
     num_kv_heads = k_cache.shape[2]
     return choose_config(
         num_tokens=num_tokens,
@@ -111,6 +113,7 @@ def config_for_batch(
         max_seqlen_q=max(1, max_seqlen_q),
         max_seqlen_k=max_seqlen_k,
         device=k_cache.device,
+        cuda_fp8_decode=cuda_fp8_decode,
     )
 
 
@@ -343,7 +346,14 @@ def paged_attention(
     for name, hint in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if not isinstance(hint, int) or isinstance(hint, bool) or hint < 0:
             raise TypeError(f"{name} must be a non-negative host int, got {hint!r}")
-    config = config_for_batch(num_tokens, num_seqs, num_heads, q.dtype, k_cache, v_cache, max_seqlen_q, max_seqlen_k)
+    one_query = max_seqlen_q == 1 and num_tokens == num_seqs
+    cuda_decode = one_query and fp8_decode_usable(
+        q, k_cache, v_cache, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+        store=slot_mapping is not None and key is not None and STORE_IN_KERNEL,
+    )  # fmt: skip
+    config = config_for_batch(
+        num_tokens, num_seqs, num_heads, q.dtype, k_cache, v_cache, max_seqlen_q, max_seqlen_k, cuda_decode
+    )
     if (key is None) != (value is None):
         raise ValueError("key and value go together: give both or neither")
     if key is not None:

@@ -13,20 +13,29 @@ from test_fp8_kernels import FMT_IDS, FORMATS, captured_attention, fp8_batch, re
 from test_kernels import assert_close
 
 import hfpaged
+from hfpaged.kernels import attention_config as ac
 from hfpaged.kernels import fp8_decode as fd
 from hfpaged.kernels import paged_attention, store_kv
 
 pa = sys.modules["hfpaged.kernels.paged_attention"]
 
 
+class Calls(list):
+    """Whether each call routed to the CUDA kernel stored the step's K/V; ``splits``: each one's context splits."""
+
+    splits: list[int]
+
+
 @pytest.fixture
 def cuda_calls(monkeypatch):
     """Count the calls ``paged_attention`` routes to the CUDA kernel."""
-    calls = []
+    calls = Calls()
+    calls.splits = []
     real = pa.fp8_decode
 
     def counting(*args, **kwargs):
         calls.append(kwargs.get("store") is not None)
+        calls.splits.append(kwargs["split"][3] if kwargs.get("split") is not None else 1)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(pa, "fp8_decode", counting)
@@ -178,9 +187,12 @@ def test_gpu_split_context_with_fused_store(cuda_calls, seq_lens):
              v_scale=batch["v_scale"])  # fmt: skip
     out = paged_attention(**batch, **kwargs, key=key, value=value, slot_mapping=slots)
     assert cuda_calls == [True]
+    # the CUDA kernel's own split rule (attention_config.CUDA_FP8_CTAS_PER_SM), not the Triton kernel's
     config = pa.config_for_batch(len(seq_lens), len(seq_lens), 16, torch.bfloat16, batch["k_cache"],
-                                 batch["v_cache"], 1, max(seq_lens))  # fmt: skip
-    assert config.num_splits > 1
+                                 batch["v_cache"], 1, max(seq_lens), cuda_fp8_decode=True)  # fmt: skip
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    assert cuda_calls.splits == [config.num_splits] == [ac.cuda_fp8_split_count(len(seq_lens) * 8, max(seq_lens), sm_count)]
+    assert config.num_splits > 1 and config.min_split_tiles * config.tile_n == ac.CUDA_FP8_MIN_SPLIT_KEYS
     for name in ("k_cache", "v_cache"):
         assert torch.equal(batch[name].view(torch.uint8), expected[name].view(torch.uint8))
     assert_close(out, reference64(batch, scale=kwargs["scale"]).to(torch.bfloat16), torch.bfloat16)

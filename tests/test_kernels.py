@@ -206,6 +206,41 @@ def test_mid_size_decode_batches_get_their_own_tiles_and_split_rule():
     assert decode(9).num_splits == 1
 
 
+def test_cuda_fp8_decode_batches_take_their_own_split_rule():
+    # attention_config.CUDA_FP8_CTAS_PER_SM: ~3 CTAs per SM (rounded), splits of at least CUDA_FP8_MIN_SPLIT_KEYS
+    # keys; only batches of one query token per sequence (the ones the CUDA kernel runs)
+    from hfpaged.kernels import attention_config as ac
+
+    assert ac.CUDA_FP8_CTAS_PER_SM == 3 and ac.CUDA_FP8_MIN_SPLIT_KEYS == 128
+    # an H100's 132 SMs: 396 CTAs over the sequences x KV heads
+    for programs, splits in ((16, 25), (48, 8), (96, 4), (144, 3), (200, 2), (264, 2), (265, 1), (2048, 1)):
+        assert ac.cuda_fp8_split_count(programs, 40960, 132) == splits, programs
+    assert ac.cuda_fp8_split_count(16, 300, 132) == 2  # short contexts: at most one split per 128 keys
+    assert ac.cuda_fp8_split_count(16, 100, 132) == 1
+    assert ac.cuda_fp8_split_count(1, 1 << 20, 132) == ac.MAX_SPLITS
+
+    def decode(num_seqs, num_tokens=None, max_q=1, cuda=True):
+        return ac.choose_config(
+            num_tokens=num_tokens or num_seqs, num_seqs=num_seqs, num_kv_heads=2, group=2, head_dim_pad=128,
+            elem_size=2, kv_elem_size=1, max_seqlen_q=max_q, max_seqlen_k=8192, device=torch.device("cpu"),
+            cuda_fp8_decode=cuda,
+        )  # fmt: skip
+
+    sms = ac._sm_count(torch.device("cpu"))  # the CPU counts as a 4-SM GPU: 12 CTAs
+    for num_seqs in (1, 2, 3, 4, 6, 64):
+        config = decode(num_seqs)
+        assert config.one_query and config.split_target_programs == 0
+        assert config.num_splits == ac.cuda_fp8_split_count(num_seqs * 2, 8192, sms)
+        assert config.min_split_tiles * config.tile_n == ac.CUDA_FP8_MIN_SPLIT_KEYS
+        # the tiles are the Triton kernel's own choice, should it run the batch instead
+        triton = decode(num_seqs, cuda=False)
+        assert (config.block_m, config.tile_n, config.num_warps, config.num_stages) == (
+            triton.block_m, triton.tile_n, triton.num_warps, triton.num_stages)  # fmt: skip
+    assert [decode(n).num_splits for n in (1, 2, 3, 6, 64)] == [6, 3, 2, 1, 1]
+    # several query tokens per sequence (or fewer tokens than sequences): the Triton rule, flag or not
+    assert decode(2, num_tokens=4, max_q=2) == decode(2, num_tokens=4, max_q=2, cuda=False)
+
+
 def test_prompt_tiles_by_longest_query_run_and_the_short_prompt_hint():
     # 16-bit queries over heads of <= 128 dims: runs above SHORT_PROMPT_MAX_Q take the long tile, others the short;
     # short_prompt_hint names the hint that picks the short tile only where the two differ
