@@ -11,10 +11,13 @@ Workloads, each run with kv_cache_dtype="auto" (bf16) and "fp8" (e4m3, calibrate
   nano_full  the nano-vllm shape with the pool sized by gpu_memory_utilization=0.9 (bf16 already holds
              every request: the pool is not the limit)
 ``--triton-decode`` adds a third run per workload, "fp8_triton": fp8 with the CUDA decode kernel switched off
-(``hfpaged.kernels.fp8_decode``), so decode steps run the Triton kernel as before session 32.
+(``hfpaged.kernels.fp8_decode``), so decode steps run the Triton kernel as before session 32. ``--old-splits`` adds
+"fp8_old_splits": the CUDA kernel with the Triton kernel's context-split rule (as in session 32).
+``--repeats N`` times each workload N times per patch and reports the median run (all runs' tok/s kept).
 Per run: wall time, output tokens/s, all tokens (prompt + output)/s, the most sequences running at once,
-preemptions, pool blocks. Each patch is warmed up first (Triton variants, CUDA graphs). Writes JSON (after
-every run) and a PNG.
+preemptions, pool blocks, and the wall time split between steps with prompt tokens and decode-only steps (each
+step's time charged to the step launched before it, which it mostly waits on). Each patch is warmed up first
+(Triton variants, CUDA graphs). Writes JSON (after every run) and a PNG.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from benchmark import MODELS, build_model, workload
 
 import hfpaged
-from hfpaged.kernels import fp8_decode
+from hfpaged.kernels import attention_config, fp8_decode
+
+CUDA_FP8_CTAS_PER_SM = attention_config.CUDA_FP8_CTAS_PER_SM
 
 
 def long_workload(num_requests: int, new_tokens: int, vocab: int, seed: int = 1):
@@ -53,15 +58,32 @@ def run(model, prompts, out_lens) -> dict:
     for p, n in zip(prompts, out_lens):
         engine.add_request(p, max_new_tokens=n, do_sample=False, eos_token_id=None)
     scheduler = engine.core.scheduler
+    kinds = []  # per scheduled step: whether it holds prompt tokens (more tokens than requests)
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        kinds.append(out.num_batched_tokens > len(out.scheduled))
+        return out
+
+    scheduler.schedule = recording_schedule
     max_running, num_tokens, steps = 0, 0, 0
+    split = {"prefill_s": 0.0, "prefill_steps": 0, "decode_s": 0.0, "decode_steps": 0}
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    t0 = last = time.perf_counter()
     while engine.has_unfinished():
         num_tokens += len(engine.step())
         max_running = max(max_running, len(scheduler.running))
         steps += 1
+        now = time.perf_counter()
+        # a step's wall time mostly waits on the step before it (launched one step ahead): charge it to that one
+        kind = "prefill" if kinds[max(0, len(kinds) - 2)] else "decode"
+        split[f"{kind}_s"] += now - last
+        split[f"{kind}_steps"] += 1
+        last = now
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
+    scheduler.schedule = schedule
     stats = hfpaged.stats(model)
     prompt_tokens = sum(map(len, prompts))
     return {
@@ -76,14 +98,18 @@ def run(model, prompts, out_lens) -> dict:
         "pool_tokens": stats["num_blocks"] * stats["block_size"],
         "pool_gib": stats["num_blocks"] * stats["block_size"] * stats["kv_cache_bytes_per_token"] / 2**30,
         "kv_cache_dtype": stats["kv_cache_dtype"],
+        "step_split": split,
     }
 
 
-def bench(model, name, prompts, out_lens, pool_gib, results, out_dir, triton_decode=False):
+def bench(model, name, prompts, out_lens, pool_gib, results, out_dir, triton_decode=False, old_splits=False,
+          repeats=1):  # fmt: skip
     results[name] = {}
     runs = [("auto", "auto"), ("fp8", "fp8")] + ([("fp8_triton", "fp8")] if triton_decode else [])
+    runs += [("fp8_old_splits", "fp8")] if old_splits else []
     for label, kv in runs:
         fp8_decode.USE_CUDA_FP8_DECODE = label != "fp8_triton"
+        attention_config.CUDA_FP8_CTAS_PER_SM = 0 if label == "fp8_old_splits" else CUDA_FP8_CTAS_PER_SM
         if pool_gib is None:
             hfpaged.patch(model, gpu_memory_utilization=0.9, kv_cache_dtype=kv)
         else:
@@ -92,14 +118,20 @@ def bench(model, name, prompts, out_lens, pool_gib, results, out_dir, triton_dec
         short = [p[:256] for p in prompts[:8]]
         model.generate_many(short, max_new_tokens=32, do_sample=False)  # warm-up: kernels, graphs, calibration
         model.generate_many(short * 8, max_new_tokens=16, do_sample=False)
-        hfpaged.reset_prefix_cache(model)  # the timed run prefills every prompt in full
-        entry = run(model, prompts, out_lens)
+        entries = []
+        for _ in range(repeats):
+            hfpaged.reset_prefix_cache(model)  # the timed run prefills every prompt in full
+            entries.append(run(model, prompts, out_lens))
+        # the median run by output tokens/s (every run's figure kept beside it)
+        entry = sorted(entries, key=lambda e: e["output_tokens_per_s"])[len(entries) // 2]
+        entry["runs_output_tokens_per_s"] = [e["output_tokens_per_s"] for e in entries]
         results[name][label] = entry
         print(name, label, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in entry.items()}),
               flush=True)  # fmt: skip
         hfpaged.unpatch(model)
         torch.cuda.empty_cache()
         (out_dir / "bench_fp8_kv.json").write_text(json.dumps(results, indent=2))
+    fp8_decode.USE_CUDA_FP8_DECODE, attention_config.CUDA_FP8_CTAS_PER_SM = True, CUDA_FP8_CTAS_PER_SM  # the defaults
     a, f = results[name]["auto"], results[name]["fp8"]
     results[name]["ratio"] = {
         "output_tokens_per_s": f["output_tokens_per_s"] / a["output_tokens_per_s"],
@@ -110,6 +142,10 @@ def bench(model, name, prompts, out_lens, pool_gib, results, out_dir, triton_dec
     if triton_decode:
         results[name]["ratio"]["fp8_cuda_over_fp8_triton"] = (
             f["output_tokens_per_s"] / results[name]["fp8_triton"]["output_tokens_per_s"]
+        )
+    if old_splits:
+        results[name]["ratio"]["fp8_over_fp8_old_splits"] = (
+            f["output_tokens_per_s"] / results[name]["fp8_old_splits"]["output_tokens_per_s"]
         )
     (out_dir / "bench_fp8_kv.json").write_text(json.dumps(results, indent=2))
 
@@ -177,15 +213,15 @@ def kernel_times(results) -> None:
 
 
 def table(results) -> str:
-    lines = [f"{'workload':10} {'kv':5} {'pool tok':>9} {'max run':>7} {'preempt':>7} {'out tok/s':>9} "
+    lines = [f"{'workload':10} {'kv':14} {'pool tok':>9} {'max run':>7} {'preempt':>7} {'out tok/s':>9} "
              f"{'all tok/s':>9} {'seconds':>7}"]  # fmt: skip
     for name, runs in results.items():
         if not isinstance(runs, dict) or "auto" not in runs:
             continue
-        for kv in ("auto", "fp8", "fp8_triton"):
+        for kv in ("auto", "fp8", "fp8_triton", "fp8_old_splits"):
             if kv in runs:
                 e = runs[kv]
-                lines.append(f"{name:10} {kv:5} {e['pool_tokens']:9d} {e['max_running']:7d} {e['num_preemptions']:7d} "
+                lines.append(f"{name:10} {kv:14} {e['pool_tokens']:9d} {e['max_running']:7d} {e['num_preemptions']:7d} "
                              f"{e['output_tokens_per_s']:9.0f} {e['all_tokens_per_s']:9.0f} {e['seconds']:7.1f}")  # fmt: skip
         if "ratio" in runs:
             r = runs["ratio"]
@@ -195,6 +231,9 @@ def table(results) -> str:
                 lines.append(
                     f"{name:10} fp8 CUDA decode / Triton decode: out tok/s {r['fp8_cuda_over_fp8_triton']:.2f}x"
                 )
+            if "fp8_over_fp8_old_splits" in r:
+                lines.append(f"{name:10} fp8 CUDA split rule / Triton split rule: out tok/s "
+                             f"{r['fp8_over_fp8_old_splits']:.3f}x")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -237,6 +276,9 @@ def main(argv=None) -> None:
     parser.add_argument("--nano-requests", type=int, default=256)
     parser.add_argument("--out", default="bench_fp8")
     parser.add_argument("--triton-decode", action="store_true", help="also run fp8 with the Triton decode kernel")
+    parser.add_argument("--old-splits", action="store_true",
+                        help="also run fp8 with the CUDA decode kernel on the Triton kernel's split rule")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per patch; the median is reported")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_fp8_kv.py needs a CUDA GPU")
@@ -256,7 +298,7 @@ def main(argv=None) -> None:
         else:
             prompts, out_lens = workload("nano", args.nano_requests, vocab)
         pool = None if name == "nano_full" else args.pool_gib
-        bench(model, name, prompts, out_lens, pool, results, out_dir, args.triton_decode)
+        bench(model, name, prompts, out_lens, pool, results, out_dir, args.triton_decode, args.old_splits, args.repeats)
     print(table(results), flush=True)
     (out_dir / "table.txt").write_text(table(results) + "\n")
     plot(results, out_dir / "bench_fp8_kv.png")
