@@ -37,6 +37,7 @@ from hfpaged.kernels import paged_attention_reference  # noqa: E402
 from hfpaged.kernels.attention_config import AttentionConfig, choose_config  # noqa: E402
 
 pa_module = importlib.import_module("hfpaged.kernels.paged_attention")
+launch_module = importlib.import_module("hfpaged.kernels.attention_launch")  # where the kernel is launched
 paged_attention_with_config = pa_module.paged_attention_with_config
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
@@ -61,7 +62,7 @@ def log(msg: str) -> None:
 
 
 class _KernelWithFlag:
-    """Stands in for ``_paged_attention_kernel`` in paged_attention.py: launches it with FP8_DOT_F16 set."""
+    """Stands in for ``_paged_attention_kernel`` in attention_launch.py: launches it with FP8_DOT_F16 set."""
 
     def __init__(self, kernel):
         self.kernel = kernel
@@ -75,10 +76,10 @@ class _KernelWithFlag:
         return lambda *args, **kwargs: launch(*args, FP8_DOT_F16=flag, **kwargs)
 
 
-KERNEL = _KernelWithFlag(pa_module._paged_attention_kernel)
+KERNEL = _KernelWithFlag(launch_module._paged_attention_kernel)
 HAS_FP8_DOT_SWITCH = "FP8_DOT_F16" in getattr(KERNEL.kernel, "arg_names", ())
 if HAS_FP8_DOT_SWITCH:
-    pa_module._paged_attention_kernel = KERNEL
+    launch_module._paged_attention_kernel = KERNEL
 
 
 # ---- timing ------------------------------------------------------------------------------------------

@@ -117,6 +117,10 @@ def _paged_attention_kernel(
     STORE_KV: tl.constexpr = False,  # one query token per sequence: write its K/V row into the caches first
     FP8_MAX: tl.constexpr = 0.0,  # STORE_KV into fp8 caches: the format's largest finite value
     USE_SINKS: tl.constexpr = False,  # add each head's sink to the softmax's denominator (SPLIT: the merge adds it)
+    # the leading one-token rows (sequence b with cu_seqlens_q[b] = b, cu_seqlens_q[b + 1] = b + 1: decode rows ahead
+    # of a mixed step's prompt chunks) as a launch of their own: 0 = every sequence; 1 (ONE_QUERY) = only those; 2 =
+    # all but those
+    LEADING_ROWS: tl.constexpr = 0,
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -128,11 +132,17 @@ def _paged_attention_kernel(
         seq = program
         q_start = program
         q_end = program + 1
+        if LEADING_ROWS == 1:  # noqa: SIM102 (a compile-time condition apart from the run-time one, for Triton)
+            if (tl.load(cu_seqlens_q_ptr + program) != program) | (tl.load(cu_seqlens_q_ptr + program + 1) != q_end):
+                return
         seq_len = tl.load(seq_lens_ptr + program)
     else:
         seq, q_start, q_end, seq_len = _locate_sequence(
             cu_seqlens_q_ptr, seq_lens_ptr, program, num_seqs, BLOCK_Q, SEARCH_BLOCK
         )
+        if LEADING_ROWS == 2:  # noqa: SIM102
+            if (q_start == seq) & (q_end == seq + 1):
+                return
     if STORE_KV:
         slot = tl.load(slot_mapping_ptr + q_start).to(tl.int64)  # a step input too
     q_len = q_end - q_start

@@ -35,7 +35,7 @@ NUM_STAGES = 2
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8
 
-_PACK = struct.Struct("<14Q18qf")  # the kernel's parameters (see fp8_decode)
+_PACK = struct.Struct("<15Q18qf")  # the kernel's parameters (see fp8_decode)
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fp8_decode_source.cu")
 _LOCK = threading.Lock()
 _KERNELS: dict[tuple, _Kernel] = {}
@@ -273,7 +273,8 @@ def _built(device: torch.device, variant: dict) -> bool:
 
 
 def fp8_decode(
-    q, k_cache, v_cache, block_tables, seq_lens, *, scale, k_scale, v_scale, out, store=None, split=None
+    q, k_cache, v_cache, block_tables, seq_lens, *, scale, k_scale, v_scale, out, store=None, split=None,
+    leading_rows=None,
 ) -> None:
     """Write attention of each sequence's one query token into ``out`` (``[B, H, D]``, 4-byte aligned rows).
 
@@ -281,9 +282,12 @@ def fp8_decode(
     quantized as ``store_kv`` would. ``split``: ``(acc, max, sum, num_splits, min_split_keys)``: each sequence's
     keys are split over ``num_splits`` CTAs (shares of at least ``min_split_keys``) that write unnormalised
     partials there in the Triton kernel's layout, for ``_merge_splits_kernel``; ``out`` is then not written.
+    ``leading_rows``: a mixed step's ``cu_seqlens_q`` (int32): only its leading one-token rows are computed (sequence
+    b with ``cu_seqlens_q[b] = b`` and ``cu_seqlens_q[b + 1] = b + 1``, whose query and output row is b); the other
+    sequences' rows and partials are not written (no store then).
     The caller checked ``fp8_decode_usable`` and the shapes.
     """
-    num_seqs, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]  # one query row per sequence (leading_rows: the first rows of a longer q)
     num_kv_heads = k_cache.shape[2]
     if num_seqs == 0:
         return
@@ -300,14 +304,17 @@ def fp8_decode(
     pointers = (q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, out, key, value, slots) + (
         split_acc, split_max, split_sum,
     )  # fmt: skip
+    if leading_rows is not None:
+        leading_rows = leading_rows.contiguous()
+    leading = 0 if leading_rows is None else leading_rows.data_ptr()
     integers = (
         num_splits, min_split_keys, int(slots.dtype == torch.int64), q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1), key.stride(0), key.stride(1) if key.dim() > 2 else 0,
         value.stride(0), value.stride(1) if value.dim() > 2 else 0,
     )  # fmt: skip
-    # the kernel's parameters as one buffer (cuLaunchKernel's ``extra``): 14 pointers and 18 8-byte integers, then
+    # the kernel's parameters as one buffer (cuLaunchKernel's ``extra``): 15 pointers and 18 8-byte integers, then
     # one float, with no padding (cheaper than a ctypes object per argument)
-    args = _PACK.pack(*(t.data_ptr() for t in pointers), *integers, float(scale) * 1.4426950408889634)
+    args = _PACK.pack(*(t.data_ptr() for t in pointers), leading, *integers, float(scale) * 1.4426950408889634)
     size = ctypes.c_size_t(len(args))
     buffer = ctypes.create_string_buffer(args, len(args))
     extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(buffer), 2, ctypes.addressof(size), 0)

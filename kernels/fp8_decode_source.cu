@@ -154,6 +154,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) hfpaged_fp8_decode(
     float* __restrict__ split_acc,    // num_splits > 1: [B, H, num_splits, D] fp32 partials (x v_scale)
     float* __restrict__ split_max,    // [B, H, num_splits] (log2 domain; -inf: no key)
     float* __restrict__ split_sum,    // [B, H, num_splits]
+    const int* __restrict__ cu_seqlens_q,  // null, or [B + 1]: only sequences b with cu[b] = b, cu[b + 1] = b + 1 (the
+                                      // leading one-token rows of a mixed step) are computed, the others left alone
     // 8-byte integers, then the one float: fp8_decode.py packs them in this order with no padding
     long long num_splits_ll, long long min_split_keys_ll, long long slots_64,
     long long stride_q_t, long long stride_q_h,
@@ -165,6 +167,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) hfpaged_fp8_decode(
     const int num_splits = (int)num_splits_ll, min_split_keys = (int)min_split_keys_ll;
     extern __shared__ __align__(128) u8 smem[];
     const int b = blockIdx.x, h = blockIdx.y;
+    if (cu_seqlens_q != nullptr && (cu_seqlens_q[b] != b || cu_seqlens_q[b + 1] != b + 1)) return;  // the whole CTA
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, c = lane & 3;
     const int seq_len = seq_lens[b];

@@ -38,7 +38,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._checks import (
     FP8_DTYPES,
-    FP8_MAX,
     check_attention_args,
     check_devices,
     check_dim,
@@ -46,8 +45,8 @@ from ._checks import (
     launches_on_first_tensor_gpu,
     next_power_of_2,
 )
-from .attention_config import SHORT_PROMPT_MAX_Q, AttentionConfig, choose_config
-from .attention_kernel import _paged_attention_kernel
+from .attention_config import SHORT_PROMPT_MAX_Q, AttentionConfig, choose_config, decode_like
+from .attention_launch import attend_leading_rows, launch_attention_kernel, merge_splits, search_block, split_workspace
 from .context_rows import (
     context_capacity,
     context_rows_dtype,
@@ -55,12 +54,10 @@ from .context_rows import (
     copy_context_rows,
     step_kv_usable,
 )
-from .dependent_launch import check_launch_pdl, launch_options
+from .dependent_launch import check_launch_pdl
 from .fp8_decode import fp8_decode, fp8_decode_usable
-from .split_merge import _merge_splits_kernel
 from .store_kv import store_kv
 
-LOG2E = 1.4426950408889634
 # Context rows (context_rows.py): only in steps of at least this many tokens (a smaller step's copy launch would cost
 # more than it saves), for chunks of at least CONTEXT_MIN_Q query tokens (each context tile is then read by several
 # query blocks), in a scratch of at most CONTEXT_MAX_BYTES (context_capacity); with 16-bit caches only in steps whose
@@ -76,16 +73,16 @@ CONTEXT_MAX_BYTES = 64 << 20
 # Steps of one query token per sequence given slot_mapping store their K/V inside the attention kernel (False: store_kv
 # first, as other steps do; a switch for A/B measurements, read at each call)
 STORE_IN_KERNEL = True
+# The leading one-token rows of a mixed step (decode rows ahead of prompt chunks) as a decode launch of their own
+# (attention_launch.attend_leading_rows) instead of whole prompt tiles of the one launch: "cuda_fp8" = where the CUDA
+# fp8 decode kernel runs them (fp8 caches, measured on the H100: notes/fp8_kv.md, session 33), "always" (tests, A/B
+# runs: also the Triton decode tiles), "never". Read at each call.
+DECODE_ROWS_APART = "cuda_fp8"
 
 
 # Sequence counts that pick each width of the kernel's sequence search (a compile-time constant): a
 # warm-up that wants every variant compiled runs one batch of each.
 SEARCH_BLOCK_SEQ_COUNTS = (1, 64, 256)
-
-
-def search_block(num_seqs: int) -> int:
-    """How many cu_seqlens_q entries a program scans at once to find its sequence."""
-    return 64 if num_seqs < 64 else (256 if num_seqs < 256 else 1024)
 
 
 def config_for_batch(
@@ -143,6 +140,7 @@ def paged_attention_with_config(
     context_min_q: int = CONTEXT_MIN_Q,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     sinks: torch.Tensor | None = None,
+    decode_rows: AttentionConfig | None = None,
 ) -> torch.Tensor:
     """paged_attention with an explicit tile config (tests, tuning); arguments are not re-checked.
 
@@ -154,9 +152,12 @@ def paged_attention_with_config(
     chunks of at least ``context_min_q`` tokens into that many contiguous rows, which those tiles then read by TMA.
     ``store``: ``(key, value, slot_mapping)`` of a step with exactly one query token per sequence (the caller
     guarantees it): the kernel first writes each token's K/V row at its slot (-1 = none), as ``store_kv`` would.
+    ``decode_rows``: a one-query config (``one_query``) for the leading one-token rows of a mixed step (sequences b with
+    ``cu_seqlens_q[b : b + 2] = b, b + 1``), which then run as a decode batch of their own before the launch of
+    ``config`` (a prompt config without splits or store; else ignored) over the other rows.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_tokens, num_heads = q.shape[0], q.shape[1]
+    num_kv_heads = k_cache.shape[2]
     head_dim_v = v_cache.shape[3]
     group = num_heads // num_kv_heads
     num_seqs = seq_lens.shape[0]
@@ -170,18 +171,11 @@ def paged_attention_with_config(
         num_programs = num_seqs
     else:
         num_programs = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
-    head_dim_v_pad = next_power_of_2(max(16, head_dim_v))
-    use_softcap = softcap is not None and softcap > 0
     use_window = sliding_window is not None and sliding_window > 0
     split = config.num_splits > 1
     fp8 = k_cache.dtype in FP8_DTYPES
-    if split:
-        rows = num_tokens * num_heads * config.num_splits
-        split_acc = torch.empty(rows * head_dim_v_pad, dtype=torch.float32, device=q.device)
-        split_max = torch.empty(rows, dtype=torch.float32, device=q.device)
-        split_sum = torch.empty(rows, dtype=torch.float32, device=q.device)
-    else:
-        split_acc = split_max = split_sum = out  # unused
+    head_dim_v_pad = next_power_of_2(max(16, head_dim_v))
+    split_bufs = split_workspace(num_tokens * num_heads * config.num_splits, head_dim_v_pad, q.device) if split else None
     k_desc = v_desc = k_ctx_desc = v_ctx_desc = ctx_offsets = None
     if step_kv is not None and not split:  # else ignored
         if step_kv_usable(q, k_cache, v_cache, *step_kv):
@@ -193,8 +187,14 @@ def paged_attention_with_config(
                 rows_dtype=context_rows_dtype(q.dtype, k_cache.dtype), launch_pdl=launch_pdl,
             )  # fmt: skip
             k_ctx_desc, v_ctx_desc = (_step_descriptor(t, config.tile_n) for t in rows)
-    store_key, store_value, slots = store if store is not None else (seq_lens, seq_lens, seq_lens)  # unused if None
-    store_strides = (*store_key.stride(), *store_value.stride()) if store is not None else (0,) * 6
+    options = dict(scale=scale, softcap=softcap, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale,
+                   sinks=sinks, launch_pdl=launch_pdl)  # fmt: skip
+    leading = 0
+    if decode_rows is not None and decode_rows.one_query and not config.one_query and not split and store is None:
+        # the leading one-token rows first, as a decode batch; the launch below leaves them alone
+        attend_leading_rows(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, config=decode_rows,
+                            **options)  # fmt: skip
+        leading = 2
     if config.one_query and fp8_decode_usable(
         q, k_cache, v_cache, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
         split_target_programs=config.split_target_programs, store=store is not None, out=out,
@@ -203,92 +203,16 @@ def paged_attention_with_config(
         min_split_keys = config.min_split_tiles * config.tile_n
         fp8_decode(
             q, k_cache, v_cache, block_tables, seq_lens, scale=scale, k_scale=k_scale, v_scale=v_scale, out=out,
-            store=store, split=(split_acc, split_max, split_sum, config.num_splits, min_split_keys) if split else None,
+            store=store, split=(*split_bufs, config.num_splits, min_split_keys) if split else None,
         )  # fmt: skip
     else:
-        _paged_attention_kernel[(num_programs, num_kv_heads, config.num_splits)](
-            out,
-            split_acc,
-            split_max,
-            split_sum,
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            cu_seqlens_q,
-            k_scale if fp8 else seq_lens,  # unused without fp8
-            v_scale if fp8 else seq_lens,
-            sinks if sinks is not None else seq_lens,  # unused without sinks
-            k_desc,
-            v_desc,
-            k_ctx_desc,
-            v_ctx_desc,
-            ctx_offsets,
-            store_key,
-            store_value,
-            slots,
-            num_seqs,
-            config.num_splits,
-            config.min_split_tiles,
-            config.split_target_programs,
-            float(scale) / float(softcap) if use_softcap else float(scale) * LOG2E,
-            float(softcap) * LOG2E if use_softcap else 1.0,
-            int(sliding_window) if use_window else 0,
-            *q.stride(),
-            *k_cache.stride(),
-            *v_cache.stride(),
-            block_tables.stride(0),
-            out.stride(0),
-            out.stride(1),
-            *store_strides,
-            NUM_HEADS=num_heads,
-            GROUP=group,
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=next_power_of_2(max(16, head_dim)),
-            HEAD_DIM_V=head_dim_v,
-            HEAD_DIM_V_PAD=head_dim_v_pad,
-            BLOCK_SIZE=block_size,
-            BLOCK_M=block_m,
-            BLOCK_Q=block_q,
-            TILE_N=config.tile_n,
-            USE_SOFTCAP=use_softcap,
-            USE_WINDOW=use_window,
-            SPLIT=split,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            SEARCH_BLOCK=16 if config.one_query else search_block(num_seqs),  # unused with one_query: one variant
-            KV_FP8=fp8,
-            STEP_KV=k_desc is not None,
-            CTX_KV=ctx_offsets is not None,
-            USE_PDL=launch_pdl,
-            ONE_QUERY=config.one_query,
-            STORE_KV=store is not None,
-            FP8_MAX=FP8_MAX.get(k_cache.dtype, 0.0),
-            USE_SINKS=sinks is not None,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-            **launch_options(launch_pdl),
-        )
+        launch_attention_kernel(
+            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, split_bufs, config=config,
+            num_programs=num_programs, descriptors=(k_desc, v_desc, k_ctx_desc, v_ctx_desc, ctx_offsets),
+            store=store, leading_rows=leading, **options,
+        )  # fmt: skip
     if split:
-        splits_pad = next_power_of_2(config.num_splits)
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            out,
-            split_acc,
-            split_max,
-            split_sum,
-            sinks if sinks is not None else split_sum,  # unused without sinks
-            config.num_splits,
-            out.stride(0),
-            out.stride(1),
-            NUM_HEADS=num_heads,
-            HEAD_DIM_V=head_dim_v,
-            HEAD_DIM_V_PAD=head_dim_v_pad,
-            SPLITS_PAD=splits_pad,
-            USE_PDL=launch_pdl,
-            USE_SINKS=sinks is not None,
-            num_warps=4 if splits_pad * head_dim_v_pad <= 4096 else 8,
-            **launch_options(launch_pdl),
-        )
+        merge_splits(out, split_bufs, num_tokens, config.num_splits, sinks, launch_pdl)
     return out
 
 
@@ -371,6 +295,15 @@ def paged_attention(
             store_kv(
                 key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale, launch_pdl=launch_pdl
             )
+    decode_rows = None  # mixed steps: the leading one-token rows as a decode launch of their own (DECODE_ROWS_APART)
+    group = num_heads // k_cache.shape[2]
+    if DECODE_ROWS_APART != "never" and not one_query and num_seqs > 1 and not decode_like(max_seqlen_q, group):
+        if DECODE_ROWS_APART == "always" or fp8_decode_usable(
+            q, k_cache, v_cache, sliding_window=sliding_window, softcap=softcap, sinks=sinks
+        ):  # fmt: skip
+            decode_rows = config_for_batch(
+                num_seqs, num_seqs, num_heads, q.dtype, k_cache, v_cache, 1, max_seqlen_k, DECODE_ROWS_APART != "always"
+            )
     # prompt tiles only (decode tiles hold no whole tile of keys from the step); checked once, below
     use_step_kv = key is not None and config.num_splits == 1 and max_seqlen_q >= config.tile_n
     context_rows = 0
@@ -399,4 +332,5 @@ def paged_attention(
         context_min_q=CONTEXT_MIN_Q,
         store=store,
         sinks=sinks,
+        decode_rows=decode_rows,
     )
