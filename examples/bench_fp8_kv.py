@@ -13,6 +13,8 @@ Workloads, each run with kv_cache_dtype="auto" (bf16) and "fp8" (e4m3, calibrate
 ``--triton-decode`` adds a third run per workload, "fp8_triton": fp8 with the CUDA decode kernel switched off
 (``hfpaged.kernels.fp8_decode``), so decode steps run the Triton kernel as before session 32. ``--old-splits`` adds
 "fp8_old_splits": the CUDA kernel with the Triton kernel's context-split rule (as in session 32).
+``--rows-together`` adds "fp8_rows_together": the decode rows of steps with prompt tokens inside the prompt launch
+(``paged_attention.DECODE_ROWS_APART = "never"``, as before session 33).
 ``--repeats N`` times each workload N times per patch and reports the median run (all runs' tok/s kept).
 Per run: wall time, output tokens/s, all tokens (prompt + output)/s, the most sequences running at once,
 preemptions, pool blocks, and the wall time split between steps with prompt tokens and decode-only steps (each
@@ -36,7 +38,9 @@ from benchmark import MODELS, build_model, workload
 import hfpaged
 from hfpaged.kernels import attention_config, fp8_decode
 
+paged_attention_module = sys.modules["hfpaged.kernels.paged_attention"]
 CUDA_FP8_CTAS_PER_SM = attention_config.CUDA_FP8_CTAS_PER_SM
+DECODE_ROWS_APART = paged_attention_module.DECODE_ROWS_APART
 
 
 def long_workload(num_requests: int, new_tokens: int, vocab: int, seed: int = 1):
@@ -103,13 +107,15 @@ def run(model, prompts, out_lens) -> dict:
 
 
 def bench(model, name, prompts, out_lens, pool_gib, results, out_dir, triton_decode=False, old_splits=False,
-          repeats=1):  # fmt: skip
+          repeats=1, rows_together=False):  # fmt: skip
     results[name] = {}
     runs = [("auto", "auto"), ("fp8", "fp8")] + ([("fp8_triton", "fp8")] if triton_decode else [])
     runs += [("fp8_old_splits", "fp8")] if old_splits else []
+    runs += [("fp8_rows_together", "fp8")] if rows_together else []
     for label, kv in runs:
         fp8_decode.USE_CUDA_FP8_DECODE = label != "fp8_triton"
         attention_config.CUDA_FP8_CTAS_PER_SM = 0 if label == "fp8_old_splits" else CUDA_FP8_CTAS_PER_SM
+        paged_attention_module.DECODE_ROWS_APART = "never" if label == "fp8_rows_together" else DECODE_ROWS_APART
         if pool_gib is None:
             hfpaged.patch(model, gpu_memory_utilization=0.9, kv_cache_dtype=kv)
         else:
@@ -132,6 +138,7 @@ def bench(model, name, prompts, out_lens, pool_gib, results, out_dir, triton_dec
         torch.cuda.empty_cache()
         (out_dir / "bench_fp8_kv.json").write_text(json.dumps(results, indent=2))
     fp8_decode.USE_CUDA_FP8_DECODE, attention_config.CUDA_FP8_CTAS_PER_SM = True, CUDA_FP8_CTAS_PER_SM  # the defaults
+    paged_attention_module.DECODE_ROWS_APART = DECODE_ROWS_APART
     a, f = results[name]["auto"], results[name]["fp8"]
     results[name]["ratio"] = {
         "output_tokens_per_s": f["output_tokens_per_s"] / a["output_tokens_per_s"],
@@ -143,10 +150,11 @@ def bench(model, name, prompts, out_lens, pool_gib, results, out_dir, triton_dec
         results[name]["ratio"]["fp8_cuda_over_fp8_triton"] = (
             f["output_tokens_per_s"] / results[name]["fp8_triton"]["output_tokens_per_s"]
         )
-    if old_splits:
-        results[name]["ratio"]["fp8_over_fp8_old_splits"] = (
-            f["output_tokens_per_s"] / results[name]["fp8_old_splits"]["output_tokens_per_s"]
-        )
+    for flag, label in ((old_splits, "fp8_old_splits"), (rows_together, "fp8_rows_together")):
+        if flag:
+            results[name]["ratio"][f"fp8_over_{label}"] = (
+                f["output_tokens_per_s"] / results[name][label]["output_tokens_per_s"]
+            )
     (out_dir / "bench_fp8_kv.json").write_text(json.dumps(results, indent=2))
 
 
@@ -213,15 +221,15 @@ def kernel_times(results) -> None:
 
 
 def table(results) -> str:
-    lines = [f"{'workload':10} {'kv':14} {'pool tok':>9} {'max run':>7} {'preempt':>7} {'out tok/s':>9} "
+    lines = [f"{'workload':10} {'kv':17} {'pool tok':>9} {'max run':>7} {'preempt':>7} {'out tok/s':>9} "
              f"{'all tok/s':>9} {'seconds':>7}"]  # fmt: skip
     for name, runs in results.items():
         if not isinstance(runs, dict) or "auto" not in runs:
             continue
-        for kv in ("auto", "fp8", "fp8_triton", "fp8_old_splits"):
+        for kv in ("auto", "fp8", "fp8_triton", "fp8_old_splits", "fp8_rows_together"):
             if kv in runs:
                 e = runs[kv]
-                lines.append(f"{name:10} {kv:14} {e['pool_tokens']:9d} {e['max_running']:7d} {e['num_preemptions']:7d} "
+                lines.append(f"{name:10} {kv:17} {e['pool_tokens']:9d} {e['max_running']:7d} {e['num_preemptions']:7d} "
                              f"{e['output_tokens_per_s']:9.0f} {e['all_tokens_per_s']:9.0f} {e['seconds']:7.1f}")  # fmt: skip
         if "ratio" in runs:
             r = runs["ratio"]
@@ -234,6 +242,9 @@ def table(results) -> str:
             if "fp8_over_fp8_old_splits" in r:
                 lines.append(f"{name:10} fp8 CUDA split rule / Triton split rule: out tok/s "
                              f"{r['fp8_over_fp8_old_splits']:.3f}x")  # fmt: skip
+            if "fp8_over_fp8_rows_together" in r:
+                lines.append(f"{name:10} fp8 decode rows apart / together in prompt steps: out tok/s "
+                             f"{r['fp8_over_fp8_rows_together']:.3f}x")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -279,6 +290,8 @@ def main(argv=None) -> None:
     parser.add_argument("--old-splits", action="store_true",
                         help="also run fp8 with the CUDA decode kernel on the Triton kernel's split rule")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per patch; the median is reported")
+    parser.add_argument("--rows-together", action="store_true",
+                        help="also run fp8 with a prompt step's decode rows inside its prompt launch")  # fmt: skip
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_fp8_kv.py needs a CUDA GPU")
@@ -298,7 +311,8 @@ def main(argv=None) -> None:
         else:
             prompts, out_lens = workload("nano", args.nano_requests, vocab)
         pool = None if name == "nano_full" else args.pool_gib
-        bench(model, name, prompts, out_lens, pool, results, out_dir, args.triton_decode, args.old_splits, args.repeats)
+        bench(model, name, prompts, out_lens, pool, results, out_dir, args.triton_decode, args.old_splits, args.repeats,
+              args.rows_together)  # fmt: skip
     print(table(results), flush=True)
     (out_dir / "table.txt").write_text(table(results) + "\n")
     plot(results, out_dir / "bench_fp8_kv.png")
