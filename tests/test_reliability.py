@@ -119,6 +119,47 @@ def test_an_interrupt_while_waiting_for_a_step_frees_everything(model, monkeypat
     assert exact(model, prompts)
 
 
+class InterruptAt(LogitsProcessor):
+    """Raises KeyboardInterrupt at its ``when``-th call (a user's Ctrl-C inside a step)."""
+
+    def __init__(self, when):
+        self.calls, self.when = 0, when
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        if self.calls == self.when:
+            raise KeyboardInterrupt
+        return scores
+
+
+@pytest.mark.parametrize("when", [1, 2, 4], ids=["first-round", "second-round", "fourth-round"])
+def test_a_beam_search_beside_a_step_that_was_interrupted_stays_exact(when):
+    # another request's processor raises in the step that completes a beam round: the round, already selected,
+    # is undone with the step (else its token came twice, or the first round's forks never came: a stall)
+    m = make_model("llama", seed=5)
+    prompt = random_prompts([12], seed=8)[0]
+    beam = dict(max_new_tokens=8, num_beams=2, num_return_sequences=2, do_sample=False)
+    with torch.no_grad():
+        out = m.generate(torch.tensor([prompt]), pad_token_id=0, return_dict_in_generate=True, **beam)
+    lengths = (out.beam_indices != -1).sum(-1).tolist()
+    expected = [s[len(prompt) :][:n] for s, n in zip(out.sequences.tolist(), lengths)]
+    hfpaged.patch(m, num_blocks=40, block_size=4)
+    engine = hfpaged.Engine(m)
+    beam_id = engine.add_request(prompt, **beam)
+    engine.add_request([5, 6, 7], max_new_tokens=6, do_sample=False, logits_processor=[InterruptAt(when)])
+    got, interrupts = {}, 0
+    while engine.has_unfinished():
+        try:
+            outputs = engine.step()
+        except KeyboardInterrupt:
+            interrupts += 1
+            continue
+        got.update({o.sequence_index: o.token_ids for o in outputs if o.prompt_id == beam_id and o.finished})
+    assert interrupts == 1
+    assert [got[i] for i in sorted(got)] == expected
+    assert all_free(m)
+
+
 def test_a_failed_step_does_not_cost_another_caller_its_requests(model, monkeypatch):
     """Caller A's requests are in the engine when caller B's step fails: A's are recomputed, still exact."""
     prompts = random_prompts([6, 13], seed=5)

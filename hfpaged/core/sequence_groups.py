@@ -58,6 +58,7 @@ class SequenceGroups:
             return []
         group = root.group
         search = group.beam_search
+        search.commit()  # the members take this round's tokens below (or the search ends)
         if beam_round.error is not None:  # its processors or criteria raised: the search ends with that error
             for member in [m for m in group.members if not m.is_finished]:
                 self.finish(member, beam_round.error)

@@ -92,7 +92,7 @@ class ModelRunner:
         """Forget every request (after a failed step: the scheduler re-sends what it still runs)."""
         for state in self.batch.states.values():
             if state.beam_search is not None:
-                state.beam_search.forget_rows()
+                state.beam_search.rollback()  # a round selected in the failed step (or one not yet read) is undone
         self.batch.reset()
         self.previous = None
 

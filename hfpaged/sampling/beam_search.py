@@ -71,6 +71,9 @@ class BeamSearch:
         self.num_rounds = 0
         self.is_done = False
         self.aborted = False
+        # the state before the last round's selection, until the scheduler takes that round (``commit``): a step
+        # that fails in between (``rollback``) leaves the search where its beams' tokens are
+        self.undo: dict[str, Any] | None = None
 
         # transformers' _beam_search state, initialized as it does (batch_size = 1)
         device = self.device
@@ -115,13 +118,29 @@ class BeamSearch:
 
     def advance(self) -> tuple[list[int], list[int], bool]:
         """Select this round's continuations: (parent slot, token) of each new beam, and whether the search
-        goes on. The rows are consumed; after the first round all k beams compute rows."""
+        goes on. The rows are consumed; after the first round all k beams compute rows. Until ``commit`` the
+        round can be undone (``rollback``)."""
+        undo = {name: _copied(getattr(self, name)) for name in _ROUND_STATE}
         parents, tokens, unfinished = self._select()
         self.num_rounds += 1
         self.is_done = not unfinished
         self.num_live = self.num_beams
         self.forget_rows()
+        self.undo = undo
         return parents, tokens, unfinished
+
+    def commit(self) -> None:
+        """The scheduler took the last round (its beams carry its tokens now)."""
+        self.undo = None
+
+    def rollback(self) -> None:
+        """A step failed: back to the state the beams' tokens reflect (a round selected but never taken by the
+        scheduler is undone), and this round's rows are computed again."""
+        if self.undo is not None:
+            for name, value in self.undo.items():
+                setattr(self, name, value)
+            self.undo = None
+        self.forget_rows()
 
     def _select(self) -> tuple[list[int], list[int], bool]:
         """transformers' beam-search iteration on this round's rows: (parent slot, token) of each new beam."""
@@ -236,6 +255,17 @@ class BeamSearch:
         if self.prompt_len + len(generated) >= self.max_length:
             return "length"
         return "stop"
+
+
+# what a round's selection changes (``BeamSearch.advance``)
+_ROUND_STATE = (
+    "running_sequences", "running_beam_scores", "running_beam_indices", "sequences", "beam_scores", "beam_indices",
+    "is_sent_finished", "is_early_stop_heuristic_unsatisfied", "cur_len", "num_rounds", "is_done", "num_live",
+)  # fmt: skip
+
+
+def _copied(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _seeded(device: torch.device, seed: int, fn: Any) -> Any:
