@@ -284,8 +284,7 @@ class Client:
         self.core = core
         self.outbox: deque[RequestOutput] = deque()
         self.prompts: dict[str, Request] = {}  # unfinished prompts submitted here, by id (first request)
-        # dropped with prompts unfinished: the engine aborts them (nobody could read or abort them any more)
-        weakref.finalize(self, _orphaned, core.orphans, self.prompts).atexit = False
+        weakref.finalize(self, _orphaned, core.orphans, self.prompts).atexit = False  # dropped: unfinished aborted
 
     def submit(self, requests: list[Request]) -> None:
         with self.core.lock:
@@ -315,10 +314,11 @@ class Client:
         return bool(self.prompts) or bool(self.outbox)
 
     def abort(self, prompt_id: str) -> None:
-        """Stop a prompt of this client (all its sequences) and free its blocks; no-op once finished."""
+        """Stop a prompt of this client (all its sequences), free its blocks, drop its undelivered outputs."""
         if self.prompts.pop(prompt_id, None) is not None:
             with self.core.lock:
                 self.core.abort(prompt_id)
+                self.outbox = deque(output for output in self.outbox if output.prompt_id != prompt_id)
 
     def abort_all(self) -> None:
         for prompt_id in list(self.prompts):

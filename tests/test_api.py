@@ -384,6 +384,26 @@ def test_generate_many_is_handed_finished_sequences_only_while_an_engine_handle_
     assert all_free(model)
 
 
+def test_abort_drops_what_another_handles_step_delivered_for_the_prompt(model):
+    # handle b's step runs the shared step and leaves a's output in a's outbox; a aborts before reading it
+    a, b = hfpaged.Engine(model), hfpaged.Engine(model)
+    victim = a.add_request(random_prompts([5], seed=14)[0], max_new_tokens=6, do_sample=False)
+    kept = a.add_request(random_prompts([6], seed=15)[0], max_new_tokens=2, do_sample=False)
+    b.add_request(random_prompts([3], seed=16)[0], max_new_tokens=6, do_sample=False)
+    for _ in range(3):  # with async scheduling the first step's tokens come with the second
+        if not a.outbox:
+            b.step()
+    assert {o.prompt_id for o in a.outbox} == {victim, kept}
+    a.abort(victim)
+    outputs = []
+    while a.has_unfinished():
+        outputs += a.step()
+    assert outputs and {o.prompt_id for o in outputs} == {kept}
+    while b.has_unfinished():
+        b.step()
+    assert all_free(model)
+
+
 def test_engine_add_step_abort(model):
     engine = hfpaged.Engine(model)
     prompts = random_prompts([4, 9, 6], seed=12)
