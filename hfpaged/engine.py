@@ -24,11 +24,11 @@ from .core.kv_manager import KVManager
 from .core.request import Request, is_prompt_finished
 from .core.scheduler import Scheduler
 from .core.scheduler_output import SchedulerOutput
-from .model.attach import PatchState, get_state, reallocate_caches, release_caches
+from .model.attach import PatchState, get_state, reallocate_caches, refresh_length_limit, release_caches
 from .model.attention import check_attention_implementation, warn_if_autocast
 from .model.runner import ModelRunner
 from .model.tensor_parallel import check_lockstep, making_requests
-from .model.weights_version import moved_message, placement
+from .model.weights_version import rewired_message
 from .outputs import RequestOutput, progress_output
 from .prompts import PromptMaker, check_tokenizer
 from .sampling.sampler import StepResult
@@ -238,10 +238,9 @@ class EngineCore:
     def check_weights(self, model: PreTrainedModel) -> None:
         """Drop what the old weights computed if they changed since the last call: cached prefix blocks, and
         (parameters in new storage, other PEFT adapters, forward hooks added or removed) the CUDA graphs and compiled
-        code that baked them in. Attention weights moved to another dtype or device than the pool's raise a
-        ``ValueError`` at every call until the model is patched again or moved back.
-        Calibrated fp8 scales are computed again at the first step that starts with nothing running (the running
-        requests' blocks hold K/V quantized with the old scales)."""
+        code that baked them in. Attention weights moved off the pool's dtype or device, or attention layers added,
+        replaced or reused, raise a ``ValueError`` at every call until the model is patched again or restored.
+        Calibrated fp8 scales: again at the first idle step. Edited sliding windows: ``refresh_length_limit``."""
         state = self.state
         try:
             check_attention_implementation(state.attn_configs)
@@ -256,9 +255,10 @@ class EngineCore:
                 self.kv.reset_prefix_cache()
                 if state.kv_scale_source == "calibration":
                     state.recalibrate_when_idle = True
-                if rewired:
+                if rewired:  # model.to(dtype), a layer added / replaced / reused
                     self.runner.drop_graphs()
-                    state.moved = moved_message(state.placement, placement(state.layers))  # e.g. model.to(dtype)
+                    state.moved = rewired_message(model, state)
+        refresh_length_limit(model, state)
         if state.moved:
             raise ValueError(state.moved)
         if state.recalibrate_when_idle:

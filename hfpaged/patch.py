@@ -17,7 +17,7 @@ from .engine import EngineCore, engine_of
 from .generate import generate_many
 from .model.attach import attach, check_options, detach, get_state
 from .model.peft_compat import check_peft_model, inner_model
-from .model.weights_version import placement
+from .model.weights_version import placement, rewired_message
 from .prompts import check_tokenizer
 from .streaming import astream_many, stream_many
 
@@ -49,8 +49,8 @@ def patch(
     """Give every attention layer of ``model`` a paged KV cache in one shared block pool; add ``generate_many``.
 
     Extra ``options`` are :class:`EngineConfig` fields (``attention_backend``, ``enforce_eager``, ...).
-    Patching again with the same settings only updates the tokenizer; other settings, or attention weights moved to
-    another dtype or device since (``model.to``), re-patch.
+    Patching again with the same settings only updates the tokenizer; other settings, attention weights moved to
+    another dtype or device since (``model.to``), or attention layers added, replaced or reused since, re-patch.
     """
     check_tokenizer(tokenizer)
     unknown = set(options) - EngineConfig.field_names()
@@ -70,7 +70,7 @@ def patch(
     existing = getattr(target, "_hfpaged", None)
     if existing is not None:
         now = placement(existing.layers)
-        if existing.config == config and now == existing.placement:
+        if existing.config == config and now == existing.placement and rewired_message(target, existing) is None:
             if tokenizer is not None:
                 existing.tokenizer = tokenizer
             return model

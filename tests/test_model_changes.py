@@ -177,3 +177,87 @@ def test_a_model_built_under_inference_mode_patches_and_generates_as_stock():
         layer.weight = torch.nn.Parameter(layer.weight * 2, requires_grad=False)
     assert greedy(model, prompts) == stock(model, prompts)
     assert_pool_free(model)
+
+
+def deepcopy_layer_appended(model):
+    import copy
+
+    layer = copy.deepcopy(model.model.layers[1])  # with a deep copy of the config, too
+    layer.self_attn.layer_idx = 2
+    model.model.layers.append(layer)
+    model.config.num_hidden_layers = 3
+
+
+def layer_reused(model):
+    layers = model.model.layers
+    model.model.layers = torch.nn.ModuleList([layers[0], layers[1], layers[0]])
+    model.config.num_hidden_layers = 3
+
+
+def attention_rebuilt(model):
+    old = model.model.layers[0].self_attn
+    new = type(old)(model.config, 0)
+    new.load_state_dict(old.state_dict())
+    model.model.layers[0].self_attn = new
+
+
+@pytest.mark.parametrize(
+    "change, message, again",
+    [
+        (deepcopy_layer_appended, r"model\.layers\.2\.self_attn \(LlamaAttention\) is not a layer patch paged", "ok"),
+        (layer_reused, r"model\.layers\.0\.self_attn and model\.layers\.2\.self_attn are one module", "ran twice"),
+        (attention_rebuilt, r"model\.layers\.0\.self_attn \(LlamaAttention\) is not a layer patch paged", "ok"),
+    ],
+    ids=["layer-appended", "layer-reused", "attention-rebuilt"],
+)
+def test_attention_layers_added_replaced_or_reused_after_patch_are_refused_until_patched_again(change, message, again):
+    # a layer patch did not page would attend outside the pool (or find no cache), a reused one would write its cache
+    # twice: silently wrong tokens or a bare AttributeError before (session 33's probe)
+    model = make_model("llama", seed=3)
+    prompts = random_prompts([5, 11], seed=4)
+    hfpaged.patch(model, num_blocks=64, block_size=4)
+    greedy(model, prompts)
+    change(model)
+    for _ in range(2):  # at every call, not only the first after the change
+        with pytest.raises(ValueError, match=message + r".*call hfpaged\.patch\(model\) again"):
+            greedy(model, prompts)
+    assert_pool_free(model)
+    if again == "ok":  # patch with the same settings patches anew for the model as it is now
+        hfpaged.patch(model, num_blocks=64, block_size=4)
+        assert greedy(model, prompts) == stock(model, prompts)
+    else:  # the probe forward of patch refuses a module that runs twice
+        with pytest.raises(TypeError, match="ran twice in one forward"):
+            hfpaged.patch(model, num_blocks=64, block_size=4)
+
+
+def test_a_restored_attention_layer_is_served_again_without_patching():
+    model = make_model("llama", seed=3)
+    prompts = random_prompts([5, 11], seed=4)
+    hfpaged.patch(model, num_blocks=64, block_size=4)
+    expected = greedy(model, prompts)
+    original = model.model.layers[0].self_attn
+    attention_rebuilt(model)
+    with pytest.raises(ValueError, match="is not a layer patch paged"):
+        greedy(model, prompts)
+    model.model.layers[0].self_attn = original
+    assert greedy(model, prompts) == expected
+
+
+def test_a_sliding_window_edited_in_the_config_is_followed():
+    # Gemma2's attention copies config.sliding_window at construction: stock applies an edited window through its
+    # mask and cache, the layer's attention call still passes the old one. Sequences within the new window stay
+    # exact; longer ones are refused (before: silently wrong tokens past the new window)
+    model = make_model("gemma2", seed=3)
+    hfpaged.patch(model, num_blocks=64, block_size=4)
+    assert model.config.sliding_window == 8
+    model.config.sliding_window = 4
+    short = random_prompts([2], seed=5)
+    assert [r.token_ids for r in model.generate_many(short, max_new_tokens=2, do_sample=False)] == (
+        reference_generate(model, short, max_new_tokens=2, do_sample=False)
+    )
+    with pytest.raises(ValueError, match="past the 4 positions of layer 0's sliding window"):
+        greedy(model, random_prompts([6], seed=6))
+    model.config.sliding_window = 8
+    prompts = random_prompts([6, 9], seed=6)
+    assert greedy(model, prompts) == stock(model, prompts)
+    assert_pool_free(model)

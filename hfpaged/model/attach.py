@@ -41,7 +41,7 @@ from .long_rope import LongRope, find_long_rope
 from .swap_space import SwapSpace, swap_blocks
 from .tensor_parallel import TensorParallel, find_tensor_parallel
 from .tp_local import LocalProjections, local_projections
-from .weights_version import WeightsVersion, placement
+from .weights_version import WeightsVersion, attention_paths, placement
 
 logger = logging.getLogger("hfpaged")
 
@@ -77,6 +77,9 @@ class PatchState:
     tp: TensorParallel | None = None  # the tensor-parallel group transformers sharded the model over
     local_tp: LocalProjections | None = None  # a sharded model's projections on local shards in the paged step
     long_rope: LongRope | None = None  # longrope rotary modules served past their short length (long_rope.py)
+    rope_limit: tuple[int, str] | None = None  # the RoPE part of length_limit (the window part follows the config)
+    window_signature: tuple = ()  # the config's sliding-window fields when length_limit was last computed
+    attention_paths: dict[int, int] = field(default_factory=dict)  # tree paths to each paged module at patch
     placement: tuple = ()  # the attention layers' weights' (dtype, device) at patch (weights_version.placement)
     moved: str | None = None  # why the model cannot run now that its weights moved off that placement, if they did
 
@@ -122,6 +125,27 @@ class PatchState:
         if self.use_triton:
             return functools.partial(kernels.paged_attention, launch_pdl=self.dependent_launch)
         return kernels.paged_attention_reference
+
+
+def window_signature(model: Any) -> tuple:
+    """The config fields transformers' cache reads sliding windows from (``window_length_limit``)."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    layer_types = getattr(cfg, "layer_types", None)
+    return (
+        getattr(cfg, "sliding_window", None), getattr(cfg, "attention_chunk_size", None),
+        tuple(layer_types) if isinstance(layer_types, (list, tuple)) else layer_types,
+        getattr(cfg, "num_hidden_layers", None), getattr(cfg, "use_sliding_window", None),
+    )  # fmt: skip
+
+
+def refresh_length_limit(model: Any, state: PatchState) -> None:
+    """Follow the config's sliding windows edited since ``patch`` (layers whose attention call does not pass the
+    window their cache keeps - Gemma2's copies its own at construction - are served only up to it)."""
+    signature = window_signature(model)
+    if signature != state.window_signature:
+        state.window_signature = signature
+        window = window_length_limit(model, state.layers)
+        state.length_limit = min((limit for limit in (state.rope_limit, window) if limit), default=None)
 
 
 def get_state(model: Any) -> PatchState:
@@ -231,6 +255,9 @@ def _attach(
         local_tp=projections,
         long_rope=long_rope,
         placement=placement(layers),
+        rope_limit=rope_limit,
+        window_signature=window_signature(model),
+        attention_paths=attention_paths(model, layers),
     )
     if config.gemv or (config.gemv is None and state.dependent_launch):
         fused.enable_gemv(model, launch_pdl=state.dependent_launch)

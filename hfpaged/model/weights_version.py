@@ -170,3 +170,43 @@ def moved_message(was: tuple, now: tuple) -> str | None:
 
 def _where(place: tuple | None) -> str:
     return "no floating-point weights" if place is None else f"{place[0]} on {place[1]}"
+
+
+def rewired_message(model: torch.nn.Module, state) -> str | None:
+    """Why the model cannot run now that its tree or storage changed (``PatchState``), if it cannot."""
+    moved = moved_message(state.placement, placement(state.layers))
+    return moved or attention_tree_message(model, state.layers, state.attention_paths)
+
+
+def attention_paths(model: torch.nn.Module, layers) -> dict[int, int]:
+    """How many paths of the module tree reach each module of a paged layer's class (by id)."""
+    kinds = tuple({type(layer.module) for layer in layers})
+    counts: dict[int, int] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, kinds):
+            counts[id(module)] = counts.get(id(module), 0) + 1
+    return counts
+
+
+def attention_tree_message(model: torch.nn.Module, layers, paths_at_patch: dict[int, int]) -> str | None:
+    """Why a model whose module tree changed after ``patch`` cannot run on its paged layers, if it cannot: a module of
+    a paged layer's class that ``patch`` did not page (a layer added or replaced: it would attend outside the pool,
+    or find no cache), or a paged one reached by more paths than at ``patch`` (a layer reused: both calls would
+    write its cache)."""
+    paged = {id(layer.module) for layer in layers}
+    kinds = tuple({type(layer.module) for layer in layers})
+    seen: dict[int, tuple[torch.nn.Module, list[str]]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, kinds):
+            seen.setdefault(id(module), (module, []))[1].append(name)
+    new = [f"{names[0]} ({type(module).__name__}) is not a layer patch paged" for key, (module, names) in seen.items()
+           if key not in paged]  # fmt: skip
+    reused = [f"{' and '.join(names)} are one module" for key, (_, names) in seen.items()
+              if key in paged and len(names) > paths_at_patch.get(key, 1)]  # fmt: skip
+    if not new and not reused:
+        return None
+    return (
+        f"the model's attention layers changed after hfpaged.patch ({(new + reused)[0]}: a layer added, replaced or "
+        "reused), but its KV cache and attention were set up for the layers patch found: call hfpaged.patch(model) "
+        "again (it patches anew for the model as it is now), or restore the model"
+    )
