@@ -381,6 +381,10 @@ def test_malformed_prompts_name_what_was_wrong(model, prompts, error, message):
         (dict(logit_bias={5: float("inf")}), "logit_bias must be a dict of token id .* finite float"),
         (dict(return_dict_in_generate=True), "return_dict_in_generate=True .* GenerationResult"),
         (dict(attention_mask=torch.ones(1, 4)), "attention_mask= .* 2-D batch"),
+        # stock raises a bare IndexError when it applies them (the last step): refused before anything runs
+        (dict(forced_eos_token_id=500), r"prompt 0: forced_eos_token_id=500 is outside the vocabulary \[0, 96\)"),
+        (dict(forced_bos_token_id=-1), r"prompt 0: forced_bos_token_id=-1 is outside the vocabulary"),
+        (dict(forced_eos_token_id=[3, 96]), r"forced_eos_token_id=\[3, 96\] is outside the vocabulary"),
     ],
 )
 def test_malformed_settings_name_what_was_wrong(model, kwargs, message):

@@ -252,6 +252,11 @@ def make_request_params(
         invalid = [t for t in options.logit_bias if t >= vocab_size]
         if invalid:
             raise ValueError(f"logit_bias names token ids outside the vocabulary [0, {vocab_size}): {invalid}")
+    for name in ("forced_bos_token_id", "forced_eos_token_id"):  # stock raises IndexError only when it applies them
+        value = getattr(config, name, None)
+        ids = value if isinstance(value, (list, tuple)) else [value]
+        if value is not None and any(isinstance(i, int) and not 0 <= i < vocab_size for i in ids):
+            raise ValueError(f"{prompt_name(index)}: {name}={value!r} is outside the vocabulary [0, {vocab_size})")
     num_beams = config.num_beams or 1
     if num_beams > 1:
         _check_beam_options(options)
