@@ -109,9 +109,14 @@ def test_update_forks_children_with_their_own_tokens_and_stop_checks():
 
 
 class StubSearch:
-    """What the scheduler reads of a beam search: its returned sequences once it has ended."""
+    """What the scheduler uses of a beam search: ``commit`` when it takes a round, its returned sequences once it
+    has ended."""
 
     aborted = False
+    commits = 0
+
+    def commit(self):
+        self.commits += 1
 
     def returned_sequences(self):
         return []
@@ -136,6 +141,7 @@ def test_a_beam_round_moves_beams_onto_their_parents_tables_and_frees_the_rest()
     assert blocks(s, a) == [0, 2] and blocks(s, b) == [0, 1] and a.num_computed_tokens == b.num_computed_tokens == 7
     # the selection continues a twice and b not at all: b's own block 1 goes back to the pool
     s.update_from_output(out, ModelRunnerOutput(beam_rounds=[BeamRound("a", [0, 0], [11, 12], True)]))
+    assert a.group.beam_search.commits == 1  # the search may forget the round's undo state
     assert blocks(s, a) == blocks(s, b) == [0, 2] and b.num_computed_tokens == 7
     assert a.all_token_ids[-2:] == [50, 11] and b.all_token_ids[-2:] == [50, 12]
     assert s.kv.pool.ref_counts[:3] == [2, 0, 2] and s.kv.pool.num_free_blocks == 14
