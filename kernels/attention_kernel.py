@@ -134,6 +134,9 @@ def _paged_attention_kernel(
         q_end = program + 1
         if LEADING_ROWS == 1:  # noqa: SIM102 (a compile-time condition apart from the run-time one, for Triton)
             if (tl.load(cu_seqlens_q_ptr + program) != program) | (tl.load(cu_seqlens_q_ptr + program + 1) != q_end):
+                # waits too: with no leading row no program of this launch would, and the next kernel's wait would
+                # then not cover the one before this (dependent_launch.py)
+                wait_for_previous_kernel(USE_PDL)
                 return
         seq_len = tl.load(seq_lens_ptr + program)
     else:
@@ -142,6 +145,7 @@ def _paged_attention_kernel(
         )
         if LEADING_ROWS == 2:  # noqa: SIM102
             if (q_start == seq) & (q_end == seq + 1):
+                wait_for_previous_kernel(USE_PDL)  # every row may be a leading one (as above)
                 return
     if STORE_KV:
         slot = tl.load(slot_mapping_ptr + q_start).to(tl.int64)  # a step input too

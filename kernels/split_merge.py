@@ -26,12 +26,11 @@ def _merge_splits_kernel(
     LEADING_ROWS: tl.constexpr = False,  # only the leading one-token rows (token b: cu_seqlens_q[b : b + 2] = b, b + 1)
     cu_seqlens_q_ptr=None,  # [B + 1] int32, read when LEADING_ROWS
 ):
+    wait_for_previous_kernel(USE_PDL)  # every program, skipped ones too (dependent_launch.py)
     if LEADING_ROWS:  # noqa: SIM102
-        # a step input: read before the wait
         program = tl.program_id(0)
         if (tl.load(cu_seqlens_q_ptr + program) != program) | (tl.load(cu_seqlens_q_ptr + program + 1) != program + 1):
             return
-    wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
