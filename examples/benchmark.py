@@ -875,10 +875,21 @@ def main(argv=None):
         choices=KV_CACHE_DTYPES,
         help="patch(kv_cache_dtype=...) of hfpaged's latency and workload runs (default auto: the model's dtype)",
     )
+    parser.add_argument(
+        "--decode-rows-apart",
+        default=None,
+        choices=["cuda_fp8", "always", "never"],
+        help="hfpaged.kernels.paged_attention.DECODE_ROWS_APART: where the decode rows of steps holding prompt tokens "
+        "run as a decode launch of their own (default: the library's, cuda_fp8)",
+    )
     parser.add_argument("--out", default="bench_out", help="folder for benchmark.json and benchmark.png")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmark.py needs a CUDA GPU")
+    if args.decode_rows_apart is not None:
+        import importlib
+
+        importlib.import_module("hfpaged.kernels.paged_attention").DECODE_ROWS_APART = args.decode_rows_apart
     if args.cold_start_child:
         cold_start_child(args.cold_start_child, args.compile, args.compile_cache_dir)
         return
