@@ -230,6 +230,20 @@ def test_attention_layers_added_replaced_or_reused_after_patch_are_refused_until
             hfpaged.patch(model, num_blocks=64, block_size=4)
 
 
+def test_a_module_of_the_attention_class_that_never_runs_is_no_change():
+    # a spare attention module in the tree at patch (the forward never calls it, so patch pages nothing for it): a
+    # later rewiring (a new lm_head) must not count it as a layer added after patch
+    model = make_model("llama", seed=3)
+    model.model.spare = type(model.model.layers[0].self_attn)(model.config, 0)
+    prompts = random_prompts([5, 11], seed=4)
+    hfpaged.patch(model, num_blocks=64, block_size=4)
+    assert len(model._hfpaged.layers) == 2
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+    head.weight.data.copy_(model.lm_head.weight)
+    model.lm_head = head
+    assert greedy(model, prompts) == stock(model, prompts)
+
+
 def test_a_restored_attention_layer_is_served_again_without_patching():
     model = make_model("llama", seed=3)
     prompts = random_prompts([5, 11], seed=4)

@@ -79,7 +79,7 @@ class PatchState:
     long_rope: LongRope | None = None  # longrope rotary modules served past their short length (long_rope.py)
     rope_limit: tuple[int, str] | None = None  # the RoPE part of length_limit (the window part follows the config)
     window_signature: tuple = ()  # the config's sliding-window fields when length_limit was last computed
-    attention_paths: dict[int, int] = field(default_factory=dict)  # tree paths to each paged module at patch
+    attention_paths: dict[int, tuple[Any, int]] = field(default_factory=dict)  # modules of the paged classes at patch
     placement: tuple = ()  # the attention layers' weights' (dtype, device) at patch (weights_version.placement)
     moved: str | None = None  # why the model cannot run now that its weights moved off that placement, if they did
 

@@ -178,31 +178,33 @@ def rewired_message(model: torch.nn.Module, state) -> str | None:
     return moved or attention_tree_message(model, state.layers, state.attention_paths)
 
 
-def attention_paths(model: torch.nn.Module, layers) -> dict[int, int]:
-    """How many paths of the module tree reach each module of a paged layer's class (by id)."""
+def attention_paths(model: torch.nn.Module, layers) -> dict[int, tuple[weakref.ref, int]]:
+    """Each module of a paged layer's class in the tree (paged or not: a layer the forward never runs), by id: a weak
+    reference to it (an id can be reused once it is gone) and how many tree paths reach it."""
     kinds = tuple({type(layer.module) for layer in layers})
-    counts: dict[int, int] = {}
+    found: dict[int, tuple[weakref.ref, int]] = {}
     for _, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, kinds):
-            counts[id(module)] = counts.get(id(module), 0) + 1
-    return counts
+            ref, count = found.get(id(module), (weakref.ref(module), 0))
+            found[id(module)] = (ref, count + 1)
+    return found
 
 
-def attention_tree_message(model: torch.nn.Module, layers, paths_at_patch: dict[int, int]) -> str | None:
+def attention_tree_message(model: torch.nn.Module, layers, at_patch: dict[int, tuple[weakref.ref, int]]) -> str | None:
     """Why a model whose module tree changed after ``patch`` cannot run on its paged layers, if it cannot: a module of
-    a paged layer's class that ``patch`` did not page (a layer added or replaced: it would attend outside the pool,
-    or find no cache), or a paged one reached by more paths than at ``patch`` (a layer reused: both calls would
-    write its cache)."""
-    paged = {id(layer.module) for layer in layers}
+    a paged layer's class that was not in the tree at ``patch`` (a layer added or replaced: it would attend outside
+    the pool, or find no cache), or one reached by more tree paths than then (a layer reused: both calls would write
+    one cache). ``at_patch``: ``attention_paths`` at ``patch``."""
     kinds = tuple({type(layer.module) for layer in layers})
     seen: dict[int, tuple[torch.nn.Module, list[str]]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, kinds):
             seen.setdefault(id(module), (module, []))[1].append(name)
+    then = {key: at_patch[key][1] for key, (module, _) in seen.items() if key in at_patch and at_patch[key][0]() is module}
     new = [f"{names[0]} ({type(module).__name__}) is not a layer patch paged" for key, (module, names) in seen.items()
-           if key not in paged]  # fmt: skip
+           if key not in then]  # fmt: skip
     reused = [f"{' and '.join(names)} are one module" for key, (_, names) in seen.items()
-              if key in paged and len(names) > paths_at_patch.get(key, 1)]  # fmt: skip
+              if key in then and len(names) > then[key]]  # fmt: skip
     if not new and not reused:
         return None
     return (
