@@ -90,6 +90,26 @@ def test_an_adapter_rescaled_between_calls_is_not_served_from_the_old_prefix_blo
     assert hfpaged.stats(peft_model)["num_free_blocks"] == hfpaged.stats(peft_model)["num_blocks"]
 
 
+def test_a_modules_to_save_copy_toggled_on_its_own_between_calls_is_not_served_from_old_prefix_blocks():
+    # modules_to_save: the wrapper (not a tuner layer) switches between the module and the adapter's own copy;
+    # toggling it alone (enable_adapters) changes what the model computes, so the prefix cache must not answer
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["embed_tokens"])
+    model = lora(make_model("llama", seed=7), config=config)
+    wrapper = model.base_model.model.model.embed_tokens
+    with torch.no_grad():
+        wrapper.modules_to_save["default"].weight.mul_(-2.0)  # the adapter's copy differs from the original
+    hfpaged.patch(model, num_blocks=64, block_size=4)
+    prompts = random_prompts([9, 13], seed=40)
+    adapted = stock(model, prompts)
+    assert greedy(model, prompts) == adapted  # fills the prefix cache
+    for enabled in (False, True, False):
+        wrapper.enable_adapters(enabled)
+        expected = stock(model, prompts)
+        assert (expected == adapted) == enabled
+        assert greedy(model, prompts) == expected, enabled
+    assert hfpaged.stats(model)["num_free_blocks"] == hfpaged.stats(model)["num_blocks"]
+
+
 def test_training_steps_on_the_adapter_are_used_by_the_next_call(peft_model):
     prompts = random_prompts([6, 12, 20], seed=3)
     before = greedy(peft_model, prompts)

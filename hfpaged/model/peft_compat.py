@@ -9,6 +9,7 @@ state read in the forward: a change makes captured CUDA graphs and cached prefix
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 from typing import Any
@@ -51,12 +52,23 @@ def check_peft_model(model: Any) -> None:
 
 
 def adapter_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules whose output depends on adapter settings (PEFT tuner layers); none for a plain model."""
+    """The modules whose output depends on adapter settings (PEFT tuner layers, and the wrappers of
+    ``modules_to_save`` / trainable tokens, which toggle their adapter copies the same way); none for a plain model."""
     if "peft" not in sys.modules:
         return []
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    return [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
+    kinds: tuple[type, ...] = (BaseTunerLayer,)
+    try:
+        from peft.utils.other import AuxiliaryTrainingWrapper
+
+        kinds += (AuxiliaryTrainingWrapper,)
+    except ImportError:  # older peft: ModulesToSaveWrapper alone
+        with contextlib.suppress(ImportError):
+            from peft.utils.other import ModulesToSaveWrapper
+
+            kinds += (ModulesToSaveWrapper,)
+    return [module for module in model.modules() if isinstance(module, kinds)]
 
 
 # refusals per adapter-layer list (keyed by its first layer), part of ``adapter_state``: the call a refusal interrupts
