@@ -33,6 +33,12 @@ def check_tensor(name: str, tensor: object, ndim: int, dtypes: tuple[torch.dtype
     return tensor
 
 
+def unit_stride(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a contiguous copy when its last dimension is strided: the kernels read index tensors (lengths,
+    offsets, slots, block-table rows) element by element with stride 1."""
+    return tensor if tensor.shape[-1] <= 1 or tensor.stride(-1) == 1 else tensor.contiguous()
+
+
 def check_devices(**tensors: torch.Tensor) -> torch.device:
     """All tensors on one device, and a CUDA one unless Triton is interpreting; returns that device."""
     names = list(tensors)

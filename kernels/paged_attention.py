@@ -44,6 +44,7 @@ from ._checks import (
     check_tensor,
     launches_on_first_tensor_gpu,
     next_power_of_2,
+    unit_stride,
 )
 from .attention_config import SHORT_PROMPT_MAX_Q, AttentionConfig, choose_config, decode_like
 from .attention_launch import attend_leading_rows, launch_attention_kernel, merge_splits, search_block, split_workspace
@@ -251,6 +252,7 @@ def paged_attention(
     (GPT-OSS's ``s_aux``).
     """
     check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, k_scale, v_scale, sinks)
+    block_tables, seq_lens, cu_seqlens_q = unit_stride(block_tables), unit_stride(seq_lens), unit_stride(cu_seqlens_q)
     if sinks is not None and (sinks.dtype == torch.float64 or sinks.stride(0) != 1):
         sinks = sinks.to(torch.float32).contiguous()  # the kernels read 16/32-bit sinks of stride 1 (a copy per call)
     check_launch_pdl(launch_pdl, q.device)
@@ -290,12 +292,14 @@ def paged_attention(
             check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
             check_devices(q=q, slot_mapping=slot_mapping)
             check_dim("slot_mapping", slot_mapping, 0, num_tokens, "q.shape[0], the number of tokens")
-            store = (key, value, slot_mapping)
+            store = (key, value, unit_stride(slot_mapping))
         else:
             store_kv(
                 key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale, launch_pdl=launch_pdl
             )
     decode_rows = None  # mixed steps: the leading one-token rows as a decode launch of their own (DECODE_ROWS_APART)
+    if DECODE_ROWS_APART not in ("cuda_fp8", "always", "never"):
+        raise ValueError(f"DECODE_ROWS_APART must be 'cuda_fp8', 'always' or 'never', got {DECODE_ROWS_APART!r}")
     group = num_heads // k_cache.shape[2]
     if DECODE_ROWS_APART != "never" and not one_query and num_seqs > 1 and not decode_like(max_seqlen_q, group):
         if DECODE_ROWS_APART == "always" or fp8_decode_usable(

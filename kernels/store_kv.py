@@ -16,6 +16,7 @@ from ._checks import (
     check_tensor,
     launches_on_first_tensor_gpu,
     next_power_of_2,
+    unit_stride,
 )
 from .dependent_launch import check_launch_pdl, launch_options, wait_for_previous_kernel
 
@@ -137,6 +138,7 @@ def store_kv(
     check_dim("value", value, 0, num_tokens, "key.shape[0], the number of tokens")
     check_dim("value", value, 1, num_kv_heads, "key.shape[1], num_kv_heads")
     check_dim("slot_mapping", slot_mapping, 0, num_tokens, "key.shape[0], the number of tokens")
+    slot_mapping = unit_stride(slot_mapping)
     check_dim("k_cache", k_cache, 2, num_kv_heads, "key.shape[1], num_kv_heads")
     check_dim("k_cache", k_cache, 3, head_dim, "key.shape[2], head_dim")
     check_dim("v_cache", v_cache, 0, num_blocks, "k_cache.shape[0], num_blocks")

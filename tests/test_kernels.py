@@ -848,3 +848,42 @@ def test_value_heads_of_another_size_with_fp8_caches():
     assert_close(paged_attention(**batch, **scales, scale=48**-0.5), ref, torch.float16)
     config = AttentionConfig(16, 32, 4, 1, num_splits=3)
     assert_close(paged_attention_with_config(**batch, **scales, scale=48**-0.5, config=config), ref, torch.float16)
+
+
+def _strided(t: torch.Tensor, fill: int) -> torch.Tensor:
+    """The values of ``t`` in a view whose last dimension has stride 2 (the other elements hold ``fill``)."""
+    wide = torch.stack([t, torch.full_like(t, fill)], -1)
+    return wide.reshape(*t.shape[:-1], -1)[..., ::2]
+
+
+@pytest.mark.parametrize("name", ["seq_lens", "block_tables", "cu_seqlens_q", "slot_mapping"])
+def test_strided_index_tensors_are_read_by_value(name):
+    # the kernels read lengths, offsets, block-table rows and slots with stride 1: a strided view (same values) gave
+    # wrong outputs or corrupted memory before; now it is read as a contiguous copy
+    batch = make_batch([1, 1, 30, 1], [200, 7, 50, 9], num_heads=4, num_kv_heads=1, head_dim=32, block_size=8,
+                       dtype=torch.float32, table_tail="minus1")  # fmt: skip
+    num_tokens = batch["q"].shape[0]
+    key = torch.randn(num_tokens, 1, 32, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    value = torch.randn(num_tokens, 1, 32, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    used = set(batch["block_tables"].flatten().tolist())
+    free = [b for b in range(batch["k_cache"].shape[0]) if b not in used]
+    slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=DEVICE)  # 8 tokens into a block none reads
+    slots[:8] = torch.arange(8, device=DEVICE) + free[0] * 8
+    args = dict(batch, key=key, value=value, slot_mapping=slots)
+    expected = {n: args[n].clone() for n in ("k_cache", "v_cache")}
+    reference = paged_attention(**dict(args, k_cache=expected["k_cache"], v_cache=expected["v_cache"]), scale=0.2)
+    view = _strided(args[name], 999 if name == "cu_seqlens_q" else 5)
+    assert torch.equal(view, args[name]) and not view.is_contiguous()
+    out = paged_attention(**dict(args, **{name: view}), scale=0.2)
+    assert torch.equal(out, reference)
+    assert torch.equal(args["k_cache"].nan_to_num(7.0), expected["k_cache"].nan_to_num(7.0))
+    assert torch.equal(args["v_cache"].nan_to_num(7.0), expected["v_cache"].nan_to_num(7.0))
+
+
+def test_store_kv_reads_a_strided_slot_mapping_by_value():
+    key = torch.randn(6, 2, 16, device=DEVICE)
+    caches = [torch.zeros(4, 4, 2, 16, device=DEVICE) for _ in range(4)]
+    slots = torch.tensor([3, 9, -1, 0, 14, 5], dtype=torch.int64, device=DEVICE)
+    store_kv(key, key, caches[0], caches[1], slots)
+    store_kv(key, key, caches[2], caches[3], _strided(slots, 2))
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
