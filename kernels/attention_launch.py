@@ -24,7 +24,11 @@ def search_block(num_seqs: int) -> int:
 def split_workspace(rows: int, head_dim_v_pad: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Split-context partials of ``rows`` (token x head x split) rows: (acc, max, sum), fp32."""
     acc = torch.empty(rows * head_dim_v_pad, dtype=torch.float32, device=device)
-    return acc, torch.empty(rows, dtype=torch.float32, device=device), torch.empty(rows, dtype=torch.float32, device=device)
+    return (
+        acc,
+        torch.empty(rows, dtype=torch.float32, device=device),
+        torch.empty(rows, dtype=torch.float32, device=device),
+    )
 
 
 def launch_attention_kernel(

@@ -273,7 +273,18 @@ def _built(device: torch.device, variant: dict) -> bool:
 
 
 def fp8_decode(
-    q, k_cache, v_cache, block_tables, seq_lens, *, scale, k_scale, v_scale, out, store=None, split=None,
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    *,
+    scale,
+    k_scale,
+    v_scale,
+    out,
+    store=None,
+    split=None,
     leading_rows=None,
 ) -> None:
     """Write attention of each sequence's one query token into ``out`` (``[B, H, D]``, 4-byte aligned rows).

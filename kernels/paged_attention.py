@@ -176,7 +176,9 @@ def paged_attention_with_config(
     split = config.num_splits > 1
     fp8 = k_cache.dtype in FP8_DTYPES
     head_dim_v_pad = next_power_of_2(max(16, head_dim_v))
-    split_bufs = split_workspace(num_tokens * num_heads * config.num_splits, head_dim_v_pad, q.device) if split else None
+    split_bufs = (
+        split_workspace(num_tokens * num_heads * config.num_splits, head_dim_v_pad, q.device) if split else None
+    )
     k_desc = v_desc = k_ctx_desc = v_ctx_desc = ctx_offsets = None
     if step_kv is not None and not split:  # else ignored
         if step_kv_usable(q, k_cache, v_cache, *step_kv):
@@ -300,14 +302,16 @@ def paged_attention(
     decode_rows = None  # mixed steps: the leading one-token rows as a decode launch of their own (DECODE_ROWS_APART)
     if DECODE_ROWS_APART not in ("cuda_fp8", "always", "never"):
         raise ValueError(f"DECODE_ROWS_APART must be 'cuda_fp8', 'always' or 'never', got {DECODE_ROWS_APART!r}")
-    group = num_heads // k_cache.shape[2]
-    if DECODE_ROWS_APART != "never" and not one_query and num_seqs > 1 and not decode_like(max_seqlen_q, group):
-        if DECODE_ROWS_APART == "always" or fp8_decode_usable(
+    mixed = not one_query and num_seqs > 1 and not decode_like(max_seqlen_q, num_heads // k_cache.shape[2])
+    if mixed and (
+        DECODE_ROWS_APART == "always"
+        or (DECODE_ROWS_APART == "cuda_fp8" and fp8_decode_usable(
             q, k_cache, v_cache, sliding_window=sliding_window, softcap=softcap, sinks=sinks
-        ):  # fmt: skip
-            decode_rows = config_for_batch(
-                num_seqs, num_seqs, num_heads, q.dtype, k_cache, v_cache, 1, max_seqlen_k, DECODE_ROWS_APART != "always"
-            )
+        ))
+    ):  # fmt: skip
+        decode_rows = config_for_batch(
+            num_seqs, num_seqs, num_heads, q.dtype, k_cache, v_cache, 1, max_seqlen_k, DECODE_ROWS_APART != "always"
+        )
     # prompt tiles only (decode tiles hold no whole tile of keys from the step); checked once, below
     use_step_kv = key is not None and config.num_splits == 1 and max_seqlen_q >= config.tile_n
     context_rows = 0

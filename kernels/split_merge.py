@@ -27,7 +27,7 @@ def _merge_splits_kernel(
     cu_seqlens_q_ptr=None,  # [B + 1] int32, read when LEADING_ROWS
 ):
     wait_for_previous_kernel(USE_PDL)  # every program, skipped ones too (dependent_launch.py)
-    if LEADING_ROWS:  # noqa: SIM102
+    if LEADING_ROWS:
         program = tl.program_id(0)
         if (tl.load(cu_seqlens_q_ptr + program) != program) | (tl.load(cu_seqlens_q_ptr + program + 1) != program + 1):
             return

@@ -191,7 +191,11 @@ def test_gpu_split_context_with_fused_store(cuda_calls, seq_lens):
     config = pa.config_for_batch(len(seq_lens), len(seq_lens), 16, torch.bfloat16, batch["k_cache"],
                                  batch["v_cache"], 1, max(seq_lens), cuda_fp8_decode=True)  # fmt: skip
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    assert cuda_calls.splits == [config.num_splits] == [ac.cuda_fp8_split_count(len(seq_lens) * 8, max(seq_lens), sm_count)]
+    assert (
+        cuda_calls.splits
+        == [config.num_splits]
+        == [ac.cuda_fp8_split_count(len(seq_lens) * 8, max(seq_lens), sm_count)]
+    )
     assert config.num_splits > 1 and config.min_split_tiles * config.tile_n == ac.CUDA_FP8_MIN_SPLIT_KEYS
     for name in ("k_cache", "v_cache"):
         assert torch.equal(batch[name].view(torch.uint8), expected[name].view(torch.uint8))

@@ -154,7 +154,6 @@ def test_gpu_cuda_fp8_kernel_takes_the_leading_rows_by_default(monkeypatch):
     assert torch.equal(replayed, default)
 
 
-
 def test_an_unknown_decode_rows_setting_is_refused(monkeypatch):
     batch, _ = mixed_batch("16bit", seed=5)
     with pytest.raises(ValueError, match="DECODE_ROWS_APART must be 'cuda_fp8', 'always' or 'never', got 'Always'"):

@@ -200,7 +200,9 @@ def attention_tree_message(model: torch.nn.Module, layers, at_patch: dict[int, t
     for name, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, kinds):
             seen.setdefault(id(module), (module, []))[1].append(name)
-    then = {key: at_patch[key][1] for key, (module, _) in seen.items() if key in at_patch and at_patch[key][0]() is module}
+    then = {
+        key: at_patch[key][1] for key, (module, _) in seen.items() if key in at_patch and at_patch[key][0]() is module
+    }
     new = [f"{names[0]} ({type(module).__name__}) is not a layer patch paged" for key, (module, names) in seen.items()
            if key not in then]  # fmt: skip
     reused = [f"{' and '.join(names)} are one module" for key, (_, names) in seen.items()
