@@ -178,16 +178,22 @@ def rewired_message(model: torch.nn.Module, state) -> str | None:
     return moved or attention_tree_message(model, state.layers, state.attention_paths)
 
 
-def attention_paths(model: torch.nn.Module, layers) -> dict[int, tuple[weakref.ref, int]]:
-    """Each module of a paged layer's class in the tree (paged or not: a layer the forward never runs), by id: a weak
-    reference to it (an id can be reused once it is gone) and how many tree paths reach it."""
+def _attention_modules(model: torch.nn.Module, layers) -> dict[int, tuple[torch.nn.Module, list[str]]]:
+    """Each module of a paged layer's class in the tree (paged or not), by id: it and the tree paths reaching it."""
     kinds = tuple({type(layer.module) for layer in layers})
-    found: dict[int, tuple[weakref.ref, int]] = {}
-    for _, module in model.named_modules(remove_duplicate=False):
+    found: dict[int, tuple[torch.nn.Module, list[str]]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, kinds):
-            ref, count = found.get(id(module), (weakref.ref(module), 0))
-            found[id(module)] = (ref, count + 1)
+            found.setdefault(id(module), (module, []))[1].append(name)
     return found
+
+
+def attention_paths(model: torch.nn.Module, layers) -> dict[int, tuple[weakref.ref, int]]:
+    """``_attention_modules`` at ``patch``, kept as a weak reference (an id can be reused once its module is gone,
+    e.g. a layer the forward never runs, deleted) and a count of tree paths."""
+    return {
+        key: (weakref.ref(module), len(names)) for key, (module, names) in _attention_modules(model, layers).items()
+    }
 
 
 def attention_tree_message(model: torch.nn.Module, layers, at_patch: dict[int, tuple[weakref.ref, int]]) -> str | None:
@@ -195,11 +201,7 @@ def attention_tree_message(model: torch.nn.Module, layers, at_patch: dict[int, t
     a paged layer's class that was not in the tree at ``patch`` (a layer added or replaced: it would attend outside
     the pool, or find no cache), or one reached by more tree paths than then (a layer reused: both calls would write
     one cache). ``at_patch``: ``attention_paths`` at ``patch``."""
-    kinds = tuple({type(layer.module) for layer in layers})
-    seen: dict[int, tuple[torch.nn.Module, list[str]]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        if isinstance(module, kinds):
-            seen.setdefault(id(module), (module, []))[1].append(name)
+    seen = _attention_modules(model, layers)
     then = {
         key: at_patch[key][1] for key, (module, _) in seen.items() if key in at_patch and at_patch[key][0]() is module
     }
