@@ -20,12 +20,14 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from .core.config import out_of_memory_message
 from .core.kv_manager import KVManager
 from .core.request import Request, is_prompt_finished
 from .core.scheduler import Scheduler
 from .core.scheduler_output import SchedulerOutput
-from .model.attach import PatchState, get_state, reallocate_caches, refresh_length_limit, release_caches
+from .model.attach import PatchState, get_state, reallocate_caches, release_caches
 from .model.attention import check_attention_implementation, warn_if_autocast
+from .model.kv_cache import refresh_length_limit, release_cuda_memory
 from .model.runner import ModelRunner
 from .model.tensor_parallel import check_lockstep, making_requests
 from .model.weights_version import rewired_message
@@ -62,6 +64,7 @@ class EngineCore:
         # overlapped steps whose tokens had landed before the host came to read them: the device finished the
         # step before the host launched the next one, i.e. it waited on the host (on the CPU: every step)
         self.num_ready_reads = 0
+        self.undelivered: list[RequestOutput] = []  # outputs a failed step made before failing (step_for_clients)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, launch, and read back what is due: the step before (if it overlapped this one) or this one.
@@ -74,14 +77,13 @@ class EngineCore:
         with contextlib.suppress(ReferenceError):  # (an unpatched model's stale handle: nothing to step)
             if self.state.weights.adapters_toggled():  # steps between calls under another adapter state (PEFT)
                 self.check_weights(self.runner.model)
-        scheduler_output = None
+        scheduler_output, outputs = None, []
         try:
             scheduler_output = self.scheduler.schedule()
             t1 = clock()
             result = self.runner.execute(scheduler_output)
             t2 = clock()
             previous, self.in_flight = self.in_flight, None
-            outputs = []
             if previous is not None:
                 self.num_ready_reads += previous[1].is_ready()
                 outputs = self._update(previous)
@@ -100,9 +102,11 @@ class EngineCore:
                 self.in_flight = None  # launched for requests that have finished since (eos): its tokens are nobody's
         except torch.OutOfMemoryError as error:
             self.recover()
-            raise torch.OutOfMemoryError(self._out_of_memory_message(scheduler_output, error)) from error
+            self.undelivered = outputs
+            raise torch.OutOfMemoryError(out_of_memory_message(self.state.config, scheduler_output, error)) from error
         except BaseException:
             self.recover()
+            self.undelivered = outputs  # made before the failure (tokens kept): step_for_clients hands them out
             raise
         timings = self.timings
         timings["schedule"] += t1 - t0
@@ -110,18 +114,6 @@ class EngineCore:
         timings["update"] += clock() - t2  # reading tokens back (waits included), appending, stop checks
         timings["steps"] += 1
         return outputs
-
-    def _out_of_memory_message(self, scheduler_output: SchedulerOutput | None, error: BaseException) -> str:
-        config = self.state.config
-        step = ""
-        if scheduler_output is not None:
-            step = f" in a step of {scheduler_output.num_batched_tokens} tokens for {len(scheduler_output.scheduled)} requests"
-        return (
-            f"hfpaged ran out of device memory{step} ({error}). Every request was put back to be recomputed and "
-            f"the KV pool is intact. Lower max_num_batched_tokens (now {config.max_num_batched_tokens}) or "
-            f"max_num_seqs (now {config.max_num_seqs}), or gpu_memory_utilization (now "
-            f"{config.gpu_memory_utilization}) to leave more room next to the pool, in hfpaged.patch(...)"
-        )
 
     def _update(self, step: tuple[SchedulerOutput, StepResult]) -> list[RequestOutput]:
         scheduler_output, result = step
@@ -154,11 +146,26 @@ class EngineCore:
                 self.abort(prompt_id)
 
     def step_for_clients(self) -> None:
-        """Run one step and hand every output to the client that owns its prompt (call with the lock held)."""
+        """Run one step and hand every output to the client that owns its prompt (call with the lock held); a failed
+        step's outputs made before the failure too. A user's criterion's non-``Exception`` raises once they are out."""
+        self.reap_orphans()
+        try:
+            outputs = self.step()
+        except BaseException:
+            outputs, self.undelivered = self.undelivered, []
+            self._deliver(outputs)
+            self.scheduler.interrupts.clear()  # the step's own error wins over an interrupt it deferred
+            raise
+        self._deliver(outputs)
+        if self.scheduler.interrupts:  # KeyboardInterrupt, SystemExit: the step completed, nothing to recompute
+            error = self.scheduler.interrupts[0]
+            self.scheduler.interrupts.clear()
+            raise error
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
         finished = []
         owners = self.owners
-        self.reap_orphans()
-        for output in self.step():
+        for output in outputs:
             owner = owners.get(output.prompt_id)
             if owner is None:
                 continue
@@ -206,11 +213,7 @@ class EngineCore:
             self.runner.sampler.context = None
             release_caches(self.state)
             self.state.asleep = True
-        if torch.cuda.is_available():
-            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-            if clear is not None:  # the workspace cuBLAS keeps per stream (the graph-capture stream's too)
-                clear()
-            torch.cuda.empty_cache()
+        release_cuda_memory()
 
     def sleep_if_idle(self) -> None:
         """``sleep`` when nothing runs (``EngineConfig.sleep_when_idle``: at the end of every call)."""
@@ -221,12 +224,9 @@ class EngineCore:
 
     def sleep_if_asked(self) -> None:
         """At the end of a call: ``sleep_if_idle`` if the config asks for it (nothing if the model was unpatched)."""
-        try:
-            asked = self.state.config.sleep_when_idle
-        except ReferenceError:  # unpatched while the call ran: no state, no pool
-            return
-        if asked:
-            self.sleep_if_idle()
+        with contextlib.suppress(ReferenceError):  # unpatched while the call ran: no state, no pool
+            if self.state.config.sleep_when_idle:
+                self.sleep_if_idle()
 
     def wake(self) -> None:
         """Allocate the pool again after ``sleep`` (as many blocks as before); a no-op when awake."""

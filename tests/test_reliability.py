@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from models import make_model, random_prompts, reference_generate
-from transformers import GenerationConfig, LogitsProcessor, TextStreamer
+from transformers import GenerationConfig, LogitsProcessor, StoppingCriteria, TextStreamer
 
 import hfpaged
 from hfpaged.sampling.sampler import StepResult
@@ -158,6 +158,147 @@ def test_a_beam_search_beside_a_step_that_was_interrupted_stays_exact(when):
     assert interrupts == 1
     assert [got[i] for i in sorted(got)] == expected
     assert all_free(m)
+
+
+class CriterionRaisingAt(StoppingCriteria):
+    """A stopping criterion that raises ``error`` (a KeyboardInterrupt, SystemExit) at its ``when``-th call."""
+
+    def __init__(self, when, error=KeyboardInterrupt):
+        self.calls, self.when, self.error = 0, when, error
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        if self.calls == self.when:
+            raise self.error
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def run_engine(engine, watched):
+    """Step ``engine`` to the end, catching interrupts: (each watched prompt's streamed ids, its final ids,
+    the interrupts caught)."""
+    streamed, final, interrupts = {p: [] for p in watched}, {}, 0
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        try:
+            outputs = engine.step()
+        except (KeyboardInterrupt, SystemExit):
+            interrupts += 1
+            continue
+        for output in outputs:
+            if output.prompt_id in watched:
+                streamed[output.prompt_id] += output.new_token_ids
+                if output.finished:
+                    final.setdefault(output.prompt_id, {})[output.sequence_index] = output.token_ids
+    return streamed, final, interrupts
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit], ids=["interrupt", "exit"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("when", [1, 3, 4])
+def test_a_stopping_criterion_raising_an_interrupt_leaves_the_step_whole(when, async_scheduling, error):
+    # the interrupt reaches the caller once the step's outputs are out: before, the step's tokens were appended but
+    # neither stop-checked nor delivered (a request ran past its length, streams missed tokens, a beam search that
+    # ended in that step never delivered: its caller waited forever)
+    m = make_model("llama", seed=5)
+    greedy_prompt, beam_prompt, other = random_prompts([7, 12, 9], seed=8)
+    expected = reference_generate(m, [greedy_prompt], max_new_tokens=4, do_sample=False)[0]
+    beam = dict(max_new_tokens=4, num_beams=2, num_return_sequences=2, do_sample=False)
+    with torch.no_grad():
+        out = m.generate(torch.tensor([beam_prompt]), pad_token_id=0, return_dict_in_generate=True, **beam)
+    lengths = (out.beam_indices != -1).sum(-1).tolist()
+    beams = [s[len(beam_prompt) :][:n] for s, n in zip(out.sequences.tolist(), lengths)]
+    hfpaged.patch(m, num_blocks=40, block_size=4, async_scheduling=async_scheduling)
+    engine = hfpaged.Engine(m)
+    greedy_id = engine.add_request(greedy_prompt, max_new_tokens=4, do_sample=False)
+    beam_id = engine.add_request(beam_prompt, **beam)
+    engine.add_request(other, max_new_tokens=6, do_sample=False, stopping_criteria=[CriterionRaisingAt(when, error)])
+    streamed, final, interrupts = run_engine(engine, {greedy_id, beam_id})
+    assert interrupts == 1
+    assert streamed[greedy_id] == final[greedy_id][0] == expected
+    assert [final[beam_id][i] for i in sorted(final[beam_id])] == beams
+    assert all_free(m)
+
+
+@pytest.mark.parametrize("new_tokens", [2, 3])
+def test_an_interrupt_before_the_second_of_two_updates_still_delivers_the_first(new_tokens, monkeypatch):
+    # async scheduling: a step applies the overlapped step before it, then its own; an interrupt between the two
+    # (a Ctrl-C) must not lose what the first made (before: X's tokens went missing from its stream, or X, finished
+    # by the first, never reported it and its caller waited forever)
+    from hfpaged.core.scheduler import Scheduler
+
+    m = make_model("llama", seed=0)
+    x_prompt, y_prompt = random_prompts([7, 9], seed=1)
+    expected = reference_generate(m, [x_prompt], max_new_tokens=new_tokens, do_sample=False)[0]
+    hfpaged.patch(m, num_blocks=64, block_size=4, async_scheduling=True)
+    core_class = type(m._hfpaged.engine)
+    real_step, real_update = core_class.step, Scheduler.update_from_output
+    updates, fired = [0], []
+
+    def step(self):
+        updates[0] = 0
+        return real_step(self)
+
+    def update_from_output(self, *args, **kwargs):
+        updates[0] += 1
+        if updates[0] == 2 and not fired:  # the step's own tokens, after the overlapped step's
+            fired.append(1)
+            raise KeyboardInterrupt
+        return real_update(self, *args, **kwargs)
+
+    monkeypatch.setattr(core_class, "step", step)
+    monkeypatch.setattr(Scheduler, "update_from_output", update_from_output)
+    for delay in range(1, new_tokens + 1):  # X alone (overlapped), then Y, whose penalty reads history: no overlap
+        fired.clear()
+        engine = hfpaged.Engine(m)
+        x = engine.add_request(x_prompt, max_new_tokens=new_tokens, do_sample=False)
+        streamed, final, steps, interrupts = [], None, 0, 0
+        while engine.has_unfinished() and steps < 50:
+            if steps == delay:
+                engine.add_request(y_prompt, max_new_tokens=4, do_sample=False, repetition_penalty=1.3)
+            steps += 1
+            try:
+                outputs = engine.step()
+            except KeyboardInterrupt:
+                interrupts += 1
+                continue
+            for output in outputs:
+                if output.prompt_id == x:
+                    streamed += output.new_token_ids
+                    final = output.token_ids if output.finished else final
+        assert fired and interrupts == 1 and streamed == final == expected, delay
+        assert all_free(m)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_an_interrupt_inside_a_preemption_loses_no_request(mode, monkeypatch):
+    # the victim leaves `running` before the KV manager frees or swaps its blocks: an interrupt between left it in no
+    # queue (never finished, later steps "made no progress", its CPU blocks leaked, unpatch raised)
+    import inspect
+
+    m = make_model("llama", seed=3)
+    prompts = random_prompts([9, 13, 7, 11, 10, 12], seed=11)
+    expected = reference_generate(m, prompts, max_new_tokens=16, do_sample=False)
+    hfpaged.patch(m, num_blocks=14, block_size=4, preemption_mode=mode, async_scheduling=False)
+    engine = hfpaged.Engine(m)
+    kv = engine.core.kv
+    name = "swap_out" if mode == "swap" else "free"
+    real, fired = getattr(kv, name), []
+
+    def interrupted(request, *args, **kwargs):
+        result = real(request, *args, **kwargs)
+        if not fired and inspect.stack()[1].function == "_preempt_one":
+            fired.append(1)
+            raise KeyboardInterrupt
+        return result
+
+    monkeypatch.setattr(kv, name, interrupted)
+    ids = [engine.add_request(p, max_new_tokens=16, do_sample=False) for p in prompts]
+    _, final, interrupts = run_engine(engine, set(ids))
+    assert fired and interrupts == 1
+    assert [final[i][0] for i in ids] == expected
+    assert all_free(m)
+    hfpaged.unpatch(m)
 
 
 def test_a_failed_step_does_not_cost_another_caller_its_requests(model, monkeypatch):

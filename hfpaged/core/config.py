@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -104,3 +105,18 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+
+def out_of_memory_message(config: EngineConfig, scheduler_output: Any, error: BaseException) -> str:
+    """What an out-of-memory error inside a step says: the step's size and the settings to lower."""
+    step = ""
+    if scheduler_output is not None:
+        step = (
+            f" in a step of {scheduler_output.num_batched_tokens} tokens for {len(scheduler_output.scheduled)} requests"
+        )
+    return (
+        f"hfpaged ran out of device memory{step} ({error}). Every request was put back to be recomputed and "
+        f"the KV pool is intact. Lower max_num_batched_tokens (now {config.max_num_batched_tokens}) or "
+        f"max_num_seqs (now {config.max_num_seqs}), or gpu_memory_utilization (now "
+        f"{config.gpu_memory_utilization}) to leave more room next to the pool, in hfpaged.patch(...)"
+    )

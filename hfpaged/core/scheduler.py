@@ -52,6 +52,9 @@ class Scheduler(SequenceGroups):
         # (rows, which) of the model's learned position table: a request that would forward a token past it fails
         # alone, with an IndexError (core/position_table.py)
         self.position_table = position_table
+        # what users' stopping criteria raised that is not an Exception (KeyboardInterrupt...): the engine raises it
+        # after the step's outputs are delivered (the update itself completes)
+        self.interrupts: list[BaseException] = []
         if position_table is not None:
             max_model_len = min(max_model_len or position_table[0], position_table[0])
         # the model's positions (a learned position table has no more rows): a request is not planned ahead past it
@@ -124,6 +127,9 @@ class Scheduler(SequenceGroups):
         released. Tokens sampled by steps whose results were never read are sampled again.
         """
         requeued = self.running + list(self.swapped)
+        # and any unfinished request the failure caught between queues (a preemption interrupted mid-way)
+        queued = {id(request) for request in (*requeued, *self.waiting)}
+        requeued += [r for r in self.requests.values() if not r.is_finished and id(r) not in queued]
         self.running = []
         self.swapped.clear()
         for request in requeued + list(self.waiting):
@@ -367,7 +373,7 @@ class Scheduler(SequenceGroups):
                 request.num_forks_pending = 0
         for beam_round in result.beam_rounds:
             outputs += self._advance_beams(beam_round)
-        for request, reason in zip(advanced, check_stops(advanced)):
+        for request, reason in zip(advanced, check_stops(advanced, self.interrupts)):
             if reason is not None:
                 self.finish(request, reason)
         if self.position_table is not None:  # its next token past the table: stock raises IndexError there

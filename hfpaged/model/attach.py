@@ -35,6 +35,7 @@ from .kv_cache import (
     position_table,
     size_pool,
     window_length_limit,
+    window_signature,
 )
 from .kv_quant import cache_dtype, check_fp8_device, given_scales, initial_scales
 from .long_rope import LongRope, find_long_rope
@@ -125,27 +126,6 @@ class PatchState:
         if self.use_triton:
             return functools.partial(kernels.paged_attention, launch_pdl=self.dependent_launch)
         return kernels.paged_attention_reference
-
-
-def window_signature(model: Any) -> tuple:
-    """The config fields transformers' cache reads sliding windows from (``window_length_limit``)."""
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    layer_types = getattr(cfg, "layer_types", None)
-    return (
-        getattr(cfg, "sliding_window", None), getattr(cfg, "attention_chunk_size", None),
-        tuple(layer_types) if isinstance(layer_types, (list, tuple)) else layer_types,
-        getattr(cfg, "num_hidden_layers", None), getattr(cfg, "use_sliding_window", None),
-    )  # fmt: skip
-
-
-def refresh_length_limit(model: Any, state: PatchState) -> None:
-    """Follow the config's sliding windows edited since ``patch`` (layers whose attention call does not pass the
-    window their cache keeps - Gemma2's copies its own at construction - are served only up to it)."""
-    signature = window_signature(model)
-    if signature != state.window_signature:
-        state.window_signature = signature
-        window = window_length_limit(model, state.layers)
-        state.length_limit = min((limit for limit in (state.rope_limit, window) if limit), default=None)
 
 
 def get_state(model: Any) -> PatchState:

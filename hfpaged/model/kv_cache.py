@@ -202,6 +202,37 @@ def window_length_limit(model: torch.nn.Module, layers: list[LayerRecord]) -> tu
     )
 
 
+def window_signature(model: Any) -> tuple:
+    """The config fields transformers' cache reads sliding windows from (``window_length_limit``)."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    layer_types = getattr(cfg, "layer_types", None)
+    return (
+        getattr(cfg, "sliding_window", None), getattr(cfg, "attention_chunk_size", None),
+        tuple(layer_types) if isinstance(layer_types, (list, tuple)) else layer_types,
+        getattr(cfg, "num_hidden_layers", None), getattr(cfg, "use_sliding_window", None),
+    )  # fmt: skip
+
+
+def refresh_length_limit(model: Any, state: Any) -> None:
+    """Follow the config's sliding windows edited since ``patch`` in ``state`` (the ``PatchState``): layers whose
+    attention call does not pass the window their cache keeps (Gemma2's copy theirs when built) serve up to it."""
+    signature = window_signature(model)
+    if signature != state.window_signature:
+        state.window_signature = signature
+        window = window_length_limit(model, state.layers)
+        state.length_limit = min((limit for limit in (state.rope_limit, window) if limit), default=None)
+
+
+def release_cuda_memory() -> None:
+    """Hand cached CUDA memory back to the driver (``sleep``), cuBLAS's per-stream workspaces included (the
+    graph-capture stream's too)."""
+    if torch.cuda.is_available():
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
+        torch.cuda.empty_cache()
+
+
 def max_model_len(model: PreTrainedModel) -> int | None:
     text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     value = getattr(text_config, "max_position_embeddings", None)

@@ -119,9 +119,11 @@ def build_stop_rules(
     return rules
 
 
-def check_stops(requests: list[Request]) -> list[str | BaseException | None]:
+def check_stops(requests: list[Request], interrupts: list[BaseException]) -> list[str | BaseException | None]:
     """Why each request (which just gained a token) stops: "stop", "length", "time", or None to go on; or what
-    its own stopping criterion raised (that fails the request, not the step)."""
+    its own stopping criterion raised (an ``Exception`` fails the request, not the step). A criterion raising
+    another ``BaseException`` (``KeyboardInterrupt``, ``SystemExit``) goes into ``interrupts``, for the step to
+    raise once its outputs are delivered; that request's other checks run as if the criterion had not stopped it."""
     reasons: list[str | BaseException | None] = [None] * len(requests)
     by_criterion: dict[int, tuple[StopStringCriteria, list[int]]] = {}
     now = None
@@ -137,6 +139,9 @@ def check_stops(requests: list[Request]) -> list[str | BaseException | None]:
             except Exception as error:
                 reasons[i] = error
                 continue
+            except BaseException as error:  # noqa: B036 (raised again by the step, after its outputs)
+                interrupts.append(error)
+                hit = False
             if hit:
                 reasons[i] = "stop"
                 continue
