@@ -25,7 +25,7 @@ import warnings
 
 import torch
 
-from ._checks import FP8_DTYPES, FP8_MAX
+from ._checks import FP8_DTYPES, FP8_MAX, unit_stride
 
 # Switch for A/B measurements (read at each call; HFPAGED_CUDA_FP8_DECODE=0 starts it off).
 USE_CUDA_FP8_DECODE = os.environ.get("HFPAGED_CUDA_FP8_DECODE", "1") != "0"
@@ -306,17 +306,14 @@ def fp8_decode(
     split_acc, split_max, split_sum, num_splits, min_split_keys = split if split is not None else (q, q, q, 1, 0)
     if key.stride(-1) != 1 or value.stride(-1) != 1:  # the store reads each row's elements in order
         key, value = key.contiguous(), value.contiguous()
-    # the kernel reads block-table rows, lengths and slots with unit strides (a graph's corner view of its tables
-    # has them: no copy then)
-    if block_tables.stride(1) != 1:
-        block_tables = block_tables.contiguous()
-    seq_lens, slots = seq_lens.contiguous(), slots.contiguous()
+    # the kernel reads block-table rows, lengths, slots and cu_seqlens_q with unit strides (a graph's corner view of
+    # its tables has them: no copy then)
+    block_tables, seq_lens, slots = unit_stride(block_tables), unit_stride(seq_lens), unit_stride(slots)
+    leading_rows = None if leading_rows is None else unit_stride(leading_rows)
     kernel = get_kernel(q.device, **_variant(q, k_cache, store is not None))
     pointers = (q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, out, key, value, slots) + (
         split_acc, split_max, split_sum,
     )  # fmt: skip
-    if leading_rows is not None:
-        leading_rows = leading_rows.contiguous()
     leading = 0 if leading_rows is None else leading_rows.data_ptr()
     integers = (
         num_splits, min_split_keys, int(slots.dtype == torch.int64), q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
