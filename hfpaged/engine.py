@@ -21,6 +21,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from .core.config import out_of_memory_message
+from .core.interrupts import interrupts_deferred
 from .core.kv_manager import KVManager
 from .core.request import Request, is_prompt_finished
 from .core.scheduler import Scheduler
@@ -69,9 +70,8 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Schedule, launch, and read back what is due: the step before (if it overlapped this one) or this one.
 
-        A step that fails leaves nothing half done: every running request goes back to waiting, to be
-        recomputed, and the runner forgets its state; the error propagates to the caller.
-        """
+        A step that fails leaves nothing half done: every running request goes back to waiting, to be recomputed
+        (one an internal error caught with an unchecked token fails), the runner forgets its state; the error propagates."""
         clock = time.perf_counter
         t0 = clock()
         with contextlib.suppress(ReferenceError):  # (an unpatched model's stale handle: nothing to step)
@@ -100,19 +100,18 @@ class EngineCore:
                 )
             if self.in_flight is not None and not self.scheduler.has_unfinished():
                 self.in_flight = None  # launched for requests that have finished since (eos): its tokens are nobody's
-        except torch.OutOfMemoryError as error:
+        except BaseException as error:
+            # what the step made before failing (tokens kept; an update's half too): step_for_clients hands it out
+            self.undelivered, self.scheduler.failed_outputs = outputs + self.scheduler.failed_outputs, []
             self.recover()
-            self.undelivered = outputs
-            raise torch.OutOfMemoryError(out_of_memory_message(self.state.config, scheduler_output, error)) from error
-        except BaseException:
-            self.recover()
-            self.undelivered = outputs  # made before the failure (tokens kept): step_for_clients hands them out
+            if isinstance(error, torch.OutOfMemoryError):
+                message = out_of_memory_message(self.state.config, scheduler_output, error)
+                raise torch.OutOfMemoryError(message) from error
             raise
         timings = self.timings
-        timings["schedule"] += t1 - t0
+        timings["schedule"], timings["steps"] = timings["schedule"] + t1 - t0, timings["steps"] + 1
         timings["execute"] += t2 - t1  # host: inputs + launches (the device runs on asynchronously)
         timings["update"] += clock() - t2  # reading tokens back (waits included), appending, stop checks
-        timings["steps"] += 1
         return outputs
 
     def _update(self, step: tuple[SchedulerOutput, StepResult]) -> list[RequestOutput]:
@@ -149,14 +148,15 @@ class EngineCore:
         """Run one step and hand every output to the client that owns its prompt (call with the lock held); a failed
         step's outputs made before the failure too. A user's criterion's non-``Exception`` raises once they are out."""
         self.reap_orphans()
-        try:
-            outputs = self.step()
-        except BaseException:
-            outputs, self.undelivered = self.undelivered, []
+        with interrupts_deferred(self.scheduler.interrupts):  # a Ctrl-C waits for the step and its delivery
+            try:
+                outputs = self.step()
+            except BaseException:
+                outputs, self.undelivered = self.undelivered, []
+                self._deliver(outputs)
+                self.scheduler.interrupts.clear()  # the step's own error wins over an interrupt it deferred
+                raise
             self._deliver(outputs)
-            self.scheduler.interrupts.clear()  # the step's own error wins over an interrupt it deferred
-            raise
-        self._deliver(outputs)
         if self.scheduler.interrupts:  # KeyboardInterrupt, SystemExit: the step completed, nothing to recompute
             error = self.scheduler.interrupts[0]
             self.scheduler.interrupts.clear()

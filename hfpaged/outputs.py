@@ -60,6 +60,15 @@ def final_output(request: Request) -> RequestOutput:
     return progress_output(request, len(request.all_token_ids) - request.num_prompt_tokens)
 
 
+def step_outputs(advanced: list[Request]) -> list[RequestOutput]:
+    """A step's outputs for the requests that gained a token: each streamed one's token, each finished one whole."""
+    return [
+        progress_output(request) if request.stream_outputs else final_output(request)
+        for request in advanced
+        if request.stream_outputs or request.is_finished
+    ]
+
+
 def sequence_output(root: Request, token_ids: list[int], *, finish_reason: str, sequence_index: int) -> RequestOutput:
     """One returned sequence of a finished beam search: ``token_ids`` generated after ``root``'s prompt."""
     all_token_ids = root.prompt_token_ids + token_ids

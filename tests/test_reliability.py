@@ -2,6 +2,7 @@
 change after ``patch``, swap-space sizing, freeing on ``del model``, and every malformed input."""
 
 import gc
+import signal
 import warnings
 import weakref
 
@@ -299,6 +300,127 @@ def test_an_interrupt_inside_a_preemption_loses_no_request(mode, monkeypatch):
     assert [final[i][0] for i in ids] == expected
     assert all_free(m)
     hfpaged.unpatch(m)
+
+
+def ctrl_c_at(monkeypatch, owner, name, calls, times=1):
+    """Wrap ``owner.name`` so that its ``calls``-th call first receives ``times`` real Ctrl-Cs (SIGINT, Python's
+    default handler, as in a terminal), each landing at once inside that call."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    real, count, fired = getattr(owner, name), [0], []
+
+    def wrapped(*args, **kwargs):
+        count[0] += 1
+        if count[0] in calls:
+            fired.append(count[0])
+            for _ in range(times):
+                signal.raise_signal(signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapped)
+    return fired, previous
+
+
+@pytest.mark.parametrize("where", ["check_stops", "append_token", "schedule", "deliver"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_ctrl_c_during_a_step_waits_for_the_step_and_its_delivery(where, async_scheduling, monkeypatch):
+    # a Ctrl-C landing in the step's host code after tokens were appended (before their stop checks or their
+    # delivery) lost them: streams missed a token, a request ran one token past its length, a finished prompt never
+    # reported. The first Ctrl-C now waits for the step and its delivery, then raises.
+    from hfpaged.core import request, scheduler
+
+    m = make_model("llama", seed=0)
+    prompts = random_prompts([7, 9], seed=1)
+    expected = reference_generate(m, prompts, max_new_tokens=5, do_sample=False)
+    hfpaged.patch(m, num_blocks=64, block_size=4, async_scheduling=async_scheduling)
+    engine = hfpaged.Engine(m)
+    owner, name = {
+        "check_stops": (scheduler, "check_stops"),
+        "append_token": (request.Request, "append_token"),
+        "schedule": (scheduler.Scheduler, "schedule"),
+        "deliver": (type(engine.core), "_deliver"),
+    }[where]
+    fired, previous = ctrl_c_at(monkeypatch, owner, name, calls={2, 5, 9})
+    try:
+        ids = [engine.add_request(p, max_new_tokens=5, do_sample=False) for p in prompts]
+        streamed, final, interrupts = run_engine(engine, set(ids))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert fired and interrupts == len(fired)
+    assert [streamed[i] for i in ids] == [final[i][0] for i in ids] == expected
+    assert all_free(m)
+    hfpaged.unpatch(m)
+
+
+def test_a_second_ctrl_c_stops_the_step_at_once_and_the_requests_are_recomputed(monkeypatch):
+    from hfpaged.core import scheduler
+
+    m = make_model("llama", seed=0)
+    prompts = random_prompts([7, 9], seed=1)
+    expected = reference_generate(m, prompts, max_new_tokens=5, do_sample=False)
+    hfpaged.patch(m, num_blocks=64, block_size=4, async_scheduling=False)
+    engine = hfpaged.Engine(m)
+    fired, previous = ctrl_c_at(monkeypatch, scheduler.Scheduler, "schedule", calls={3}, times=2)
+    try:
+        ids = [engine.add_request(p, max_new_tokens=5, do_sample=False) for p in prompts]
+        streamed, final, interrupts = run_engine(engine, set(ids))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert fired == [3] and interrupts == 1  # the second raised inside the step; the first was dropped with it
+    assert [streamed[i] for i in ids] == [final[i][0] for i in ids] == expected
+    assert all_free(m)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt], ids=["internal", "raised-interrupt"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_an_internal_error_half_way_through_an_update_fails_the_unchecked_requests(
+    async_scheduling, error, monkeypatch
+):
+    # before: the tokens appended before the error went on unchecked after the recovery (a request could run past
+    # its length or eos, its stream missed the token). Now they fail with the error; the rest of the step is
+    # delivered, and the engine and the model stay usable and exact. (A KeyboardInterrupt raised there by a SIGINT
+    # handler of the program's own, which the engine does not hold back, is taken the same way.)
+    from hfpaged.core import scheduler
+
+    m = make_model("llama", seed=0)
+    prompts = random_prompts([7, 9], seed=1)
+    expected = reference_generate(m, prompts, max_new_tokens=5, do_sample=False)
+    hfpaged.patch(m, num_blocks=64, block_size=4, async_scheduling=async_scheduling)
+    engine = hfpaged.Engine(m)
+    real, calls = scheduler.check_stops, [0]
+
+    def check_stops(requests, interrupts):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise error("injected in the update")
+        return real(requests, interrupts)
+
+    monkeypatch.setattr(scheduler, "check_stops", check_stops)
+    ids = [engine.add_request(p, max_new_tokens=5, do_sample=False) for p in prompts]
+    streamed, finals, failures = {i: [] for i in ids}, {}, 0
+    while engine.has_unfinished():
+        try:
+            outputs = engine.step()
+        except error as raised:
+            assert "injected in the update" in str(raised)
+            failures += 1
+            outputs = []
+        for output in outputs:
+            streamed[output.prompt_id] += output.new_token_ids
+            if output.finished:
+                finals[output.prompt_id] = output
+    assert failures == 1
+    for i, want in zip(ids, expected):
+        output = finals[i]
+        assert streamed[i] == output.token_ids
+        if output.finish_reason == "error":  # its token of the failed update came, and nothing after it
+            assert "injected in the update" in output.error
+            assert output.token_ids == want[: len(output.token_ids)] and len(output.token_ids) == 3
+        else:
+            assert output.token_ids == want
+    assert {finals[i].finish_reason for i in ids} == {"error"}  # both gained a token in that update
+    assert all_free(m)
+    monkeypatch.undo()
+    assert [r.token_ids for r in m.generate_many(prompts, max_new_tokens=5, do_sample=False)] == expected
 
 
 def test_a_failed_step_does_not_cost_another_caller_its_requests(model, monkeypatch):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from ..outputs import RequestOutput, final_output, progress_output
+from ..outputs import RequestOutput, progress_output, step_outputs
 from ..sampling.stopping import check_stops
 from .config import EngineConfig
 from .kv_manager import KVManager
@@ -55,6 +55,7 @@ class Scheduler(SequenceGroups):
         # what users' stopping criteria raised that is not an Exception (KeyboardInterrupt...): the engine raises it
         # after the step's outputs are delivered (the update itself completes)
         self.interrupts: list[BaseException] = []
+        self.failed_outputs: list[RequestOutput] = []  # of an update that failed half way (the engine hands them out)
         if position_table is not None:
             max_model_len = min(max_model_len or position_table[0], position_table[0])
         # the model's positions (a learned position table has no more rows): a request is not planned ahead past it
@@ -352,37 +353,42 @@ class Scheduler(SequenceGroups):
                         self.kv.register_computed(request)
         advanced: list[Request] = []
         outputs: list[RequestOutput] = []
-        logprobs, top_logprobs, errors = result.logprobs, result.top_logprobs, result.errors
-        for row, (request_id, token_id) in enumerate(zip(result.request_ids, result.token_ids)):
-            request = requests.get(request_id)
-            if request is None:
-                continue
-            if out.overlapped:
-                request.num_output_placeholders -= 1
-            if errors and request_id in errors:
-                self.finish(request, "error", errors[request_id])
-                outputs.append(progress_output(request, 0))
-                continue
-            request.append_token(
-                token_id, logprobs[row] if logprobs else None, top_logprobs[row] if top_logprobs else None
-            )
-            advanced.append(request)
-            if request.num_forks_pending:
-                for fork in result.forks.get(request_id, ()):
-                    advanced.append(self._fork(request, fork.sequence_index, fork.params, fork.sampled))
-                request.num_forks_pending = 0
-        for beam_round in result.beam_rounds:
-            outputs += self._advance_beams(beam_round)
-        for request, reason in zip(advanced, check_stops(advanced, self.interrupts)):
-            if reason is not None:
-                self.finish(request, reason)
-        if self.position_table is not None:  # its next token past the table: stock raises IndexError there
-            outputs += finish_past_table(self, advanced, result.beam_rounds)
-        return outputs + [
-            progress_output(request) if request.stream_outputs else final_output(request)
-            for request in advanced
-            if request.stream_outputs or request.is_finished
-        ]
+        settled = 0  # advanced requests whose stop checks have been applied
+        try:
+            logprobs, top_logprobs, errors = result.logprobs, result.top_logprobs, result.errors
+            for row, (request_id, token_id) in enumerate(zip(result.request_ids, result.token_ids)):
+                request = requests.get(request_id)
+                if request is None:
+                    continue
+                if out.overlapped:
+                    request.num_output_placeholders -= 1
+                if errors and request_id in errors:
+                    self.finish(request, "error", errors[request_id])
+                    outputs.append(progress_output(request, 0))
+                    continue
+                request.append_token(
+                    token_id, logprobs[row] if logprobs else None, top_logprobs[row] if top_logprobs else None
+                )
+                advanced.append(request)
+                if request.num_forks_pending:
+                    for fork in result.forks.get(request_id, ()):
+                        advanced.append(self._fork(request, fork.sequence_index, fork.params, fork.sampled))
+                    request.num_forks_pending = 0
+            for beam_round in result.beam_rounds:
+                outputs += self._advance_beams(beam_round)
+            for request, reason in zip(advanced, check_stops(advanced, self.interrupts)):
+                if reason is not None:
+                    self.finish(request, reason)
+                settled += 1
+            if self.position_table is not None:  # its next token past the table: stock raises IndexError there
+                outputs += finish_past_table(self, advanced, result.beam_rounds)
+        except BaseException as error:  # half way (an internal error): a token not stop-checked must not run unchecked
+            for request in advanced[settled:]:
+                if not request.is_finished:
+                    self.finish(request, error)
+            self.failed_outputs = outputs + step_outputs(advanced)
+            raise
+        return outputs + step_outputs(advanced)
 
 
 def _scheduled(request: Request, num_new: int, num_tokens: int) -> ScheduledRequest:
