@@ -246,5 +246,26 @@ def test_gpu_fp8_graphs_eager_and_compile(setting):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("setting", ["auto", "fp8"])
+def test_gpu_graphs_of_a_long_context_model_capture_without_a_retry(setting):
+    # the graphs bake the model's whole length as the key hint: its decode batches split their context more ways
+    # than the warm-up's (4,096-key) batches did, so their merges (and, with fp8, the merge of a mixed step's decode
+    # rows) were kernel variants first compiled inside a capture, which failed and was retried
+    model = make_model("llama", dtype=torch.bfloat16, max_position_embeddings=40960).cuda()
+    prompts = random_prompts([4, 12, 30, 50, 7, 21, 9, 16], seed=3)
+    hfpaged.patch(model, num_blocks=4096, block_size=16, kv_cache_dtype=setting, compile=False, max_num_seqs=16)
+    runner = model._hfpaged.engine.runner
+    engine, ids = hfpaged.Engine(model), []
+    for step in range(200):  # prompts joining running ones: mixed steps with decode rows
+        if prompts and step % 3 == 0:
+            ids.append(engine.add_request(prompts.pop(0), max_new_tokens=12, do_sample=False))
+        engine.step()
+        if not prompts and not engine.has_unfinished():
+            break
+    assert runner.graphs is not None and runner.mixed_graphs is not None and runner.num_graph_steps > 0
+    assert runner.graphs.capture_retries == 0 and runner.mixed_graphs.capture_retries == 0
+
+
+@pytest.mark.gpu
 def test_gpu_fp8_block_moves_are_exact():
     _moves_equal_roomy(make_model("qwen3").cuda(), "cuda")
