@@ -10,14 +10,12 @@ long run among one-token decodes (mixed steps), for every search width up to ``m
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ._checks import FP8_DTYPES, cdiv, next_power_of_2
-from .attention_launch import merge_splits, split_workspace
+from ._checks import cdiv
 from .paged_attention import SEARCH_BLOCK_SEQ_COUNTS, config_for_batch, paged_attention, search_block
 
 QUERY_LENGTHS = (1, 2, 4, 8, 16, 32, 64, 256, 2048)
@@ -48,7 +46,6 @@ def warm_up(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     launch_pdl: bool = False,
     sinks_dtype: torch.dtype | None = None,
-    graph_max_seqlen_k: int | None = None,
 ) -> None:
     """Run every variant once on one layer's caches (writing nothing: every slot is -1).
 
@@ -56,7 +53,6 @@ def warm_up(
     specialized kernel argument). fp8 caches need the query ``dtype`` and the layer's ``kv_scales``.
     ``launch_pdl``: the variants with programmatic dependent launch (as the engine will launch them).
     ``sinks_dtype``: the layer passes attention sinks of this dtype (the variants that read them).
-    ``graph_max_seqlen_k``: the key-length hint the CUDA graphs bake (decode configs, split counts, depend on it).
     """
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     device, dtype = k_cache.device, dtype or k_cache.dtype  # dtype: the queries' (fp8 caches: the model's)
@@ -75,39 +71,23 @@ def warm_up(
     def context_for(max_q: int) -> int:
         return min(max(max_q, 4096), capacity)
 
+    # decode batches whose size picks a tile of its own (attention_config.MID_BATCH_SPLITS): one batch per variant
+    variants = set()
+    for num_seqs in range(1, max_num_seqs + 1):
+        config = config_for_batch(num_seqs, num_seqs, num_heads, dtype, k_cache, v_cache, 1, context_for(1))
+        key = (config.tile_n, config.num_warps, config.num_stages, config.num_splits > 1, search_block(num_seqs))
+        if key not in variants:
+            variants.add(key)
+            shapes.add((1,) * num_seqs)
     todo = []
     for q_lens in sorted(shapes):
         max_q, num_seqs, num_tokens = max(q_lens), len(q_lens), sum(q_lens)
         context = context_for(max_q)
         if max_q > context or num_tokens > budget:
             continue
-        todo.append((q_lens, context, context))
-    # decode batches whose size picks a tile or a split count of its own (attention_config.MID_BATCH_SPLITS, the
-    # merge's SPLITS_PAD), at the warm-up's context and at the graphs' hint: one batch per variant
-    fp8 = k_cache.dtype in FP8_DTYPES
-    hints = sorted({context_for(1), graph_max_seqlen_k or context_for(1)})  # (a graph's: its width, may pass capacity)
-    variants, merges = set(), set()
-    for hint in hints:
-        for num_seqs in range(1, max_num_seqs + 2):  # mixed graphs: one sequence more (the padding's)
-            rules = [config_for_batch(num_seqs, num_seqs, num_heads, dtype, k_cache, v_cache, 1, hint, cuda)
-                     for cuda in ((False, True) if fp8 else (False,))]  # fmt: skip
-            if num_seqs <= max_num_seqs:
-                key = (*((c.tile_n, c.num_warps, c.num_stages, splits_pad(c)) for c in rules), search_block(num_seqs))
-                if key not in variants:
-                    variants.add(key)
-                    todo.append(((1,) * num_seqs, min(hint, capacity), hint))
-            if fp8 or decode_rows_apart() == "always":  # a mixed step's decode rows apart: their merge (a variant)
-                merges.update(splits_pad(c) for c in rules if c.num_splits > 1)
-    sinks = options.get("sinks")
+        todo.append((q_lens, context))
 
-    def merge(splits: int) -> None:  # dummy partials merged into a dummy row: writes nothing the engine reads
-        head_dim_v = v_cache.shape[3]
-        out = torch.zeros(1, num_heads, head_dim_v, dtype=dtype, device=device)
-        bufs = split_workspace(num_heads * splits, next_power_of_2(max(16, head_dim_v)), device)
-        leading = torch.tensor([0, 1], dtype=torch.int32, device=device)
-        merge_splits(out, bufs, 1, splits, sinks, launch_pdl, leading_rows=leading)
-
-    def run(q_lens: tuple[int, ...], context: int, hint: int) -> None:
+    def run(q_lens: tuple[int, ...], context: int) -> None:
         max_q, num_seqs, num_tokens = max(q_lens), len(q_lens), sum(q_lens)
         num_blocks = cdiv(context, block_size)
         width = cdiv(num_blocks, column_multiple) * column_multiple
@@ -130,7 +110,7 @@ def warm_up(
             sliding_window=sliding_window,
             softcap=softcap,
             max_seqlen_q=max_q,
-            max_seqlen_k=hint,
+            max_seqlen_k=context,
             launch_pdl=launch_pdl,
             key=kv,  # as the engine passes the step's keys (prompt chunks: the variant reading them by TMA)
             value=values,
@@ -139,17 +119,6 @@ def warm_up(
         )
 
     run_all(run, todo, device)
-    run_all(merge, [(splits,) for splits in sorted(merges)], device)
-
-
-def decode_rows_apart() -> str:
-    """paged_attention's DECODE_ROWS_APART as it is now (a module setting: read at each call)."""
-    return importlib.import_module(".paged_attention", __package__).DECODE_ROWS_APART
-
-
-def splits_pad(config) -> int:
-    """The merge variant a config launches (its SPLITS_PAD), 1 for none."""
-    return next_power_of_2(config.num_splits) if config.num_splits > 1 else 1
 
 
 def run_all(run, todo: list[tuple], device: torch.device, workers: int | None = None) -> None:

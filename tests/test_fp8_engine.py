@@ -248,9 +248,10 @@ def test_gpu_fp8_graphs_eager_and_compile(setting):
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting", ["auto", "fp8"])
 def test_gpu_graphs_of_a_long_context_model_capture_without_a_retry(setting):
-    # the graphs bake the model's whole length as the key hint: its decode batches split their context more ways
-    # than the warm-up's (4,096-key) batches did, so their merges (and, with fp8, the merge of a mixed step's decode
-    # rows) were kernel variants first compiled inside a capture, which failed and was retried
+    # the graphs bake the model's whole length as the key hint: their decode batches may split their context more
+    # ways than the warm-up's (4,096-key) batches, so a merge variant (with fp8, also that of a mixed step's decode
+    # rows) may first compile inside a capture; no capture may fail for it (session 34, H200: none did, with a
+    # warm-up that compiled those variants ahead and with one that does not, kept as the cheaper)
     model = make_model("llama", dtype=torch.bfloat16, max_position_embeddings=40960).cuda()
     prompts = random_prompts([4, 12, 30, 50, 7, 21, 9, 16], seed=3)
     hfpaged.patch(model, num_blocks=4096, block_size=16, kv_cache_dtype=setting, compile=False, max_num_seqs=16)

@@ -306,11 +306,8 @@ def test_mid_size_decode_batch_through_paged_attention(fp8):
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 def test_warm_up_compiles_every_decode_variant(cache_dtype):
     # After warm_up, decode batches of every size up to max_num_seqs (as the graphs meet them: the context hint is
-    # the whole graph width, the step's K/V stored by the kernel) compile no new paged_attention variant, and no
-    # new merge of their splits (SPLITS_PAD: the split count follows the hint); with fp8 caches neither do the
-    # leading decode rows of mixed steps (a launch and a merge of their own)
+    # the whole graph width, the step's K/V stored by the kernel) compile no new paged_attention variant.
     from hfpaged.kernels.attention_kernel import _paged_attention_kernel
-    from hfpaged.kernels.split_merge import _merge_splits_kernel
     from hfpaged.kernels.warmup import warm_up
 
     num_heads, num_kv_heads, head_dim, max_num_seqs = 16, 8, 128, 48
@@ -319,11 +316,10 @@ def test_warm_up_compiles_every_decode_variant(cache_dtype):
     fp8 = cache_dtype == torch.float8_e4m3fn
     scales = (torch.ones(1, device="cuda"), torch.ones(1, device="cuda")) if fp8 else None
     warm_up(k_cache, v_cache, num_heads=num_heads, sliding_window=None, softcap=None, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=256, dtype=torch.bfloat16, kv_scales=scales, graph_max_seqlen_k=40960)  # fmt: skip
+            max_num_batched_tokens=256, dtype=torch.bfloat16, kv_scales=scales)  # fmt: skip
 
     def variants():
-        kernels = (_paged_attention_kernel, _merge_splits_kernel)
-        return [sum(len(entry[0]) for entry in kernel.device_caches.values()) for kernel in kernels]
+        return sum(len(entry[0]) for entry in _paged_attention_kernel.device_caches.values())
 
     before = variants()
     extra = {"k_scale": scales[0], "v_scale": scales[1]} if fp8 else {}
@@ -336,19 +332,6 @@ def test_warm_up_compiles_every_decode_variant(cache_dtype):
                         torch.arange(num_seqs + 1, device="cuda", dtype=torch.int32), scale=0.1, max_seqlen_q=1,
                         max_seqlen_k=40960, key=kv, value=kv, slot_mapping=slots, **extra)  # fmt: skip
     assert variants() == before
-    if fp8:  # mixed steps as the mixed graphs meet them: one-token rows first, then a 64-token chunk
-        for num_seqs in range(2, max_num_seqs + 2):
-            q_lens = [1] * (num_seqs - 1) + [64]
-            num_tokens = sum(q_lens)
-            table = torch.arange(64, device="cuda", dtype=torch.int32).repeat(num_seqs, 1)
-            q = torch.randn(num_tokens, num_heads, head_dim, device="cuda", dtype=torch.bfloat16)
-            kv = torch.randn(num_tokens, num_kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
-            cu = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32).cuda()
-            seq_lens = torch.full((num_seqs,), 1000, device="cuda", dtype=torch.int32)
-            slots = torch.full((num_tokens,), -1, device="cuda", dtype=torch.int32)
-            paged_attention(q, k_cache, v_cache, table, seq_lens, cu, scale=0.1, max_seqlen_q=64, max_seqlen_k=40960,
-                            key=kv, value=kv, slot_mapping=slots, **extra)  # fmt: skip
-        assert variants()[1] == before[1]
 
 
 # (block_size, head_dim, num_heads, num_kv_heads, dtype, window, softcap): every block size and

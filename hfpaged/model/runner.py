@@ -250,7 +250,6 @@ class ModelRunner:
                 dtype=layer.dtype,
                 kv_scales=None if layer_scales is None else (layer_scales[0:1], layer_scales[1:2]),
                 launch_pdl=self.state.dependent_launch,
-                graph_max_seqlen_k=self.graph_width * self.block_size if self.use_graphs else None,
             )
         self.state.fused_projections.warm_up_gemv()
         torch.cuda.synchronize(self.device)
