@@ -243,6 +243,42 @@ def test_a_user_criterion_runs_and_raises_at_the_eos_step(model, prompts, plain)
         model.generate_many(prompts[1:2], stopping_criteria=StoppingCriteriaList([CountThenRaise(at_eos)]), **kwargs)
 
 
+def test_prefix_allowed_tokens_fn_with_several_sampled_sequences_per_prompt(model, prompts):
+    # transformers >= 5.2x builds the processor for a prompt's n rows at once (num_beams = n); hfpaged calls it with
+    # one sequence's row: it raised (1 // n = 0 rows per prompt)
+    def allowed(batch_id, input_ids):
+        return [10 + batch_id, 20 + batch_id]
+
+    results = model.generate_many(
+        prompts, max_new_tokens=3, do_sample=True, seed=0, num_return_sequences=2, prefix_allowed_tokens_fn=allowed
+    )
+    for i, result in enumerate(results):
+        assert len(result.sequences) == 2
+        assert all(t in (10 + i, 20 + i) for sequence in result.sequences for t in sequence.token_ids)
+
+
+def test_a_stateful_watermark_processor_is_private_to_each_sampled_sequence(model, prompts):
+    # SynthID's processor keeps each row's context: generate calls it once per step with a prompt's n rows. hfpaged
+    # calls it per sequence: shared, the n sequences mixed their contexts (wrong distributions from the second
+    # token on). Sequence 1 of n = 2 must be what one sequence with sequence 1's seed gives.
+    from transformers import SynthIDTextWatermarkingConfig
+
+    from hfpaged.sampling.parallel_sampling import sample_seed
+
+    def watermark():
+        return SynthIDTextWatermarkingConfig(keys=[654, 400, 836, 123, 340, 443, 597, 160, 57, 29], ngram_len=3)
+
+    kwargs = dict(max_new_tokens=6, do_sample=True, return_logprobs=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pair = model.generate_many(
+            prompts[:1], seed=1, num_return_sequences=2, watermarking_config=watermark(), **kwargs
+        )
+        alone = model.generate_many(prompts[:1], seed=sample_seed(1, 1), watermarking_config=watermark(), **kwargs)
+    assert pair[0].sequences[1].token_ids == alone[0].token_ids
+    assert torch.allclose(torch.tensor(pair[0].sequences[1].logprobs), torch.tensor(alone[0].logprobs), atol=1e-5)
+
+
 def test_prefix_allowed_tokens_fn_gets_the_prompt_index(model, prompts):
     seen, seen_by_stock = set(), set()
 

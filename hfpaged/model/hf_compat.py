@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from transformers import GenerationConfig, PretrainedConfig
-from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.logits_process import LogitsProcessorList, PrefixConstrainedLogitsProcessor
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 # --- generation settings -------------------------------------------------------------------------------
@@ -75,7 +75,7 @@ def logits_processors(
     device: torch.device | str,
 ) -> LogitsProcessorList:
     """The processors ``generate`` builds for one prompt (``prompt_ids``: ``[1, prompt_len]``)."""
-    return model._get_logits_processor(
+    processors = model._get_logits_processor(
         generation_config=config,
         input_ids_seq_length=prompt_ids.shape[-1],
         encoder_input_ids=prompt_ids,
@@ -84,6 +84,11 @@ def logits_processors(
         device=device,
         model_kwargs={},
     )
+    if (config.num_beams or 1) == 1:  # each sequence's row runs alone (5.2x groups a prompt's n rows: 1 // n = 0)
+        for processor in processors:
+            if isinstance(processor, PrefixConstrainedLogitsProcessor):
+                processor._num_beams = 1
+    return processors
 
 
 def merge_stopping_criteria(model: Any, defaults: StoppingCriteriaList, user: list) -> StoppingCriteriaList:

@@ -11,7 +11,10 @@ on its own, with its own stop conditions - as ``generate`` treats the n rows it 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+
+from transformers import SynthIDTextWatermarkLogitsProcessor
 
 from .params import RequestParams
 from .processors import Stage
@@ -29,11 +32,22 @@ def sample_seed(seed: int, index: int) -> int:
     return (x ^ (x >> 31)) % 2**62
 
 
+# transformers' processors whose state follows the rows they have seen (``generate`` calls one with a prompt's n rows,
+# each row's state its own): each sequence, called alone, takes a private copy
+STATEFUL_PROCESSORS = (SynthIDTextWatermarkLogitsProcessor,)
+
+
 def child_params(params: RequestParams, index: int) -> RequestParams:
     """Settings of sequence ``index`` forking off a request with ``params``: its own seed, and a private copy
-    of every processor payload that keeps per-request state (it has ``fork``)."""
+    of every processor payload that keeps per-request state (it has ``fork``, or is one of STATEFUL_PROCESSORS)."""
     stages = tuple(
-        Stage(stage.kind, stage.payload.fork(), stage.rank) if hasattr(stage.payload, "fork") else stage
+        Stage(stage.kind, _fork(stage.payload), stage.rank)
+        if hasattr(stage.payload, "fork") or isinstance(stage.payload, STATEFUL_PROCESSORS)
+        else stage
         for stage in params.stages
     )
     return dataclasses.replace(params, seed=sample_seed(params.seed, index), stages=stages)
+
+
+def _fork(payload):
+    return payload.fork() if hasattr(payload, "fork") else copy.deepcopy(payload)
