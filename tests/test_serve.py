@@ -1032,6 +1032,42 @@ def test_create_app_serves_in_one_process(model, tokenizer):
     assert out["choices"][0]["text"] == expected[0].text and out["usage"]["completion_tokens"] == 6
 
 
+@pytest.mark.parametrize("frontend_process", MODES, ids=MODE_IDS)
+def test_a_model_patched_again_while_serving_keeps_serving(tokenizer, frontend_process):
+    # before: the loop kept its engine handle of the first patch: every later request failed with 500 ("make a new
+    # one"), and a re-patch with a stream in flight killed the loop (its pool figures read between the unpatch and
+    # the patch), leaving 503s for good while /health said ok
+    m = make_model("llama", vocab_size=len(tokenizer), seed=3)
+    hfpaged.patch(m, num_blocks=160, block_size=4, max_num_seqs=8, tokenizer=tokenizer)
+    body = {"model": MODEL_NAME, "prompt": "the stop sign", "temperature": 0, "logit_bias": NO_EOS}
+    with Server(m, tokenizer, port=0, served_model_name=MODEL_NAME, frontend_process=frontend_process) as srv:
+        url = srv.url + "/v1/completions"
+        assert httpx.post(url, json=dict(body, max_tokens=4), timeout=60).status_code == 200
+        hfpaged.patch(m, num_blocks=96, block_size=8, max_num_seqs=4, tokenizer=tokenizer)  # idle
+        finish = []
+
+        def stream():
+            with httpx.stream("POST", url, json=dict(body, max_tokens=500, stream=True), timeout=60) as response:
+                finish.extend(e["choices"][0]["finish_reason"] for e in sse_events(response) if e.get("choices"))
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        deadline = time.monotonic() + 20
+        while not srv.serving.engine_loop.unfinished:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        hfpaged.patch(m, num_blocks=128, block_size=4, max_num_seqs=8, tokenizer=tokenizer)  # with a stream running
+        thread.join(30)
+        assert finish[-1] == "abort"
+        response = httpx.post(url, json=dict(body, max_tokens=6), timeout=60)
+        assert response.status_code == 200 and httpx.get(srv.url + "/health").status_code == 200
+        expected = m.generate_many(["the stop sign"], tokenizer=tokenizer, max_new_tokens=6, do_sample=False,
+                                   suppress_tokens=[2])[0].text  # fmt: skip
+        assert response.json()["choices"][0]["text"] == expected
+    stats = hfpaged.stats(m)
+    assert stats["num_blocks"] == 128 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
 def test_the_servers_context_length_is_a_models_length_limit():
     # a dynamic-RoPE model is exact only up to max_position_embeddings (tests/test_model_support.py); a longrope
     # one past its original length too (tests/test_long_rope.py)

@@ -132,13 +132,14 @@ class EngineLoop:
     # --- the engine thread --------------------------------------------------------------------------
 
     def _run(self) -> None:
-        engine, clock = self.engine, self.clock
+        clock = self.clock
         try:
             while True:
                 if not self.open_sources:  # every front end stopped or went away
                     self._drain()
                     return
                 commands = []
+                engine = self._follow_repatch()
                 if not engine.has_unfinished():
                     self._refresh_stats()
                     self._broadcast(EngineStats(self.stats))
@@ -167,7 +168,7 @@ class EngineLoop:
                                 self._abort(request_id)
                 self._add(adds)
                 clock.lap("commands")
-                if self.open_sources and engine.has_unfinished():
+                if self.open_sources and self.engine.has_unfinished():
                     self._step()
         except BaseException as exc:  # pragma: no cover - a bug: report it to every waiting request
             logger.exception("hfpaged engine loop died")
@@ -176,6 +177,15 @@ class EngineLoop:
                 self._broadcast(EngineDied(f"the engine loop died: {exc!r}"))
             with contextlib.suppress(Exception):
                 self._drain()
+
+    def _follow_repatch(self) -> Engine:
+        """The handle on the model's engine: a model patched again (other settings) has a new one, which the loop
+        takes once the old handle has handed out everything (its requests end with "abort" at the re-patch)."""
+        state = getattr(self.model, "_hfpaged", None)
+        stale = state is not None and getattr(state, "engine", None) is not self.engine.core
+        if stale and not self.engine.has_unfinished():
+            self.engine = Engine(self.model, tokenizer=self.engine.tokenizer)
+        return self.engine
 
     def _send(self, source: int, message: Any) -> None:
         """Send to one front end; one that is gone is closed (its requests aborted) instead."""
@@ -253,6 +263,7 @@ class EngineLoop:
 
     def _add_submissions(self, commands: list[tuple[int, AddRequests]]) -> None:
         submissions = [(source, s) for source, command in commands for s in command.submissions]
+        self._follow_repatch()  # (a re-patch while the loop slept)
         self.engine.add_requests(
             [s.prompt_token_ids for _, s in submissions],
             [s.generate_kwargs for _, s in submissions],
@@ -325,8 +336,12 @@ class EngineLoop:
         clock.lap("outputs")
 
     def _snapshot(self) -> dict[str, Any]:
-        """The pool figures (``hfpaged.stats``) and this loop's counters, as the front ends show them."""
-        stats = pool_stats(self.model)
+        """The pool figures (``hfpaged.stats``) and this loop's counters, as the front ends show them (the last
+        figures while the model is not patched: between the two halves of a re-patch in another thread)."""
+        try:
+            stats = pool_stats(self.model)
+        except ValueError:
+            stats = dict(getattr(self, "stats", {}))
         stats["engine_loop_seconds"] = dict(self.clock.seconds)
         stats["engine_loop_steps"] = getattr(self, "num_steps", 0)
         return stats
