@@ -1068,6 +1068,27 @@ def test_a_model_patched_again_while_serving_keeps_serving(tokenizer, frontend_p
     assert stats["num_blocks"] == 128 and stats["num_free_blocks"] == stats["num_blocks"]
 
 
+def test_a_request_holding_the_pad_token_id_is_served_with_every_token_attended(tokenizer):
+    # generate_many refuses such a prompt unless told (generate would mask those positions without a mask); an HTTP
+    # client cannot give a mask: the server attends every token, as an all-ones attention_mask does
+    import torch
+
+    m = make_model("llama", vocab_size=len(tokenizer), seed=3)
+    m.generation_config.pad_token_id = tokenizer.pad_token_id
+    hfpaged.patch(m, num_blocks=64, block_size=4, tokenizer=tokenizer)
+    prompt = [5, tokenizer.pad_token_id, 6]
+    with pytest.raises(ValueError, match="holds the pad token id"):
+        m.generate_many([prompt], max_new_tokens=3)
+    with Server(m, tokenizer, port=0, served_model_name=MODEL_NAME, frontend_process=False) as srv:
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0, "logit_bias": NO_EOS}
+        response = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200
+    batch = torch.tensor([prompt])
+    expected = m.generate_many(batch, attention_mask=torch.ones_like(batch), tokenizer=tokenizer, max_new_tokens=4,
+                               do_sample=False, suppress_tokens=[2])[0].text  # fmt: skip
+    assert response.json()["choices"][0]["text"] == expected
+
+
 def test_the_servers_context_length_is_a_models_length_limit():
     # a dynamic-RoPE model is exact only up to max_position_embeddings (tests/test_model_support.py); a longrope
     # one past its original length too (tests/test_long_rope.py)

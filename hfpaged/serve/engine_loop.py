@@ -29,6 +29,7 @@ from typing import Any
 from ..engine import Engine
 from ..patch import patch
 from ..patch import stats as pool_stats
+from ..prompt_forms import UnpaddedIds
 from .messages import (
     AbortRequests,
     Added,
@@ -265,7 +266,8 @@ class EngineLoop:
         submissions = [(source, s) for source, command in commands for s in command.submissions]
         self._follow_repatch()  # (a re-patch while the loop slept)
         self.engine.add_requests(
-            [s.prompt_token_ids for _, s in submissions],
+            # every token is attended, as under an all-ones attention mask: a pad id in a request's text is a token
+            [UnpaddedIds(s.prompt_token_ids) for _, s in submissions],
             [s.generate_kwargs for _, s in submissions],
             [s.request_id for _, s in submissions],
         )
