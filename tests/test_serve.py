@@ -1020,16 +1020,35 @@ def test_create_app_serves_in_one_process(model, tokenizer):
 
     from hfpaged.serve import create_app
 
-    with TestClient(create_app(model, tokenizer, served_model_name=MODEL_NAME)) as http:
-        out = http.post(
-            "/v1/completions",
-            json={"prompt": TEXTS[0], "max_tokens": 6, "temperature": 0, "logit_bias": NO_EOS},
-        ).json()
-        assert http.get("/health").json() == {"status": "ok"}
+    app = create_app(model, tokenizer, served_model_name=MODEL_NAME)
     expected = model.generate_many(
         [TEXTS[0]], tokenizer=tokenizer, max_new_tokens=6, do_sample=False, logit_bias={2: -100.0}
     )
-    assert out["choices"][0]["text"] == expected[0].text and out["usage"]["completion_tokens"] == 6
+    for _ in range(2):  # a second lifespan of the same app (before: "threads can only be started once")
+        with TestClient(app) as http:
+            out = http.post(
+                "/v1/completions",
+                json={"prompt": TEXTS[0], "max_tokens": 6, "temperature": 0, "logit_bias": NO_EOS},
+            ).json()
+            assert http.get("/health").json() == {"status": "ok"}
+        assert out["choices"][0]["text"] == expected[0].text and out["usage"]["completion_tokens"] == 6
+
+
+def test_an_app_whose_lifespan_did_not_run_says_so(model, tokenizer):
+    # httpx's ASGITransport runs no lifespan: before, a 503 said "the server is shutting down"
+    from hfpaged.serve import create_app
+
+    app = create_app(model, tokenizer, served_model_name=MODEL_NAME)
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as http:
+            body = {"prompt": TEXTS[0], "max_tokens": 2}
+            return (await http.get("/health")), (await http.post("/v1/completions", json=body))
+
+    health, response = asyncio.run(main())
+    assert health.status_code == 503 and health.json() == {"status": "not started"}
+    assert response.status_code == 503 and response.json()["error"]["code"] == "not_started"
+    assert "lifespan" in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("frontend_process", MODES, ids=MODE_IDS)

@@ -74,7 +74,7 @@ def build_app(ctx: ServingContext, lifespan: Callable[[FastAPI], AbstractAsyncCo
     async def health() -> JSONResponse:
         if engine.alive:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "unavailable" if engine.send is not None else "not started"}, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import APIError, invalid_request, queue_full, shutting_down
+from .errors import APIError, invalid_request, not_started, queue_full, shutting_down
 from .messages import (
     AbortRequests,
     Added,
@@ -78,6 +78,7 @@ class EngineClient:
         """Commands go to ``send`` from now on (call on the event loop)."""
         self.send = send
         self.stopped = asyncio.Event()
+        self.closing, self.failure = False, None  # (an app's lifespan may run again after one ended)
 
     @property
     def alive(self) -> bool:
@@ -90,6 +91,8 @@ class EngineClient:
         Raises a 429 when the waiting queue is full, a 400 when the engine refuses a setting, a 503 while
         stopping.
         """
+        if self.send is None:
+            raise not_started()
         if not self.alive:
             raise shutting_down()
         if len(submissions) > self.max_waiting:  # could never be admitted: not a 429 that a retry would fix

@@ -116,6 +116,11 @@ class EngineLoop:
     def start(self, sends: Sequence[Callable[[Any], None]]) -> None:
         """Start the engine thread; front end ``i``'s messages go to ``sends[i]`` (which raises ``FrontendGone``
         once nobody listens there)."""
+        if self.thread.is_alive():
+            raise RuntimeError("this engine loop is running already: an app serves one lifespan at a time")
+        if self.thread.ident is not None:  # it ran for an earlier lifespan of the app, and ended: a fresh thread
+            self.thread = threading.Thread(target=self._run, name="hfpaged-engine-loop", daemon=True)
+            self.failed = None
         self.sends = list(sends)
         self.open_sources = set(range(len(self.sends)))
         self.thread.start()

@@ -57,3 +57,14 @@ def queue_full(max_waiting: int) -> APIError:
 def shutting_down() -> APIError:
     """A 503 for requests that arrive while the server stops."""
     return APIError("The server is shutting down.", status_code=503, type="server_error", code="shutting_down")
+
+
+def not_started() -> APIError:
+    """A 503 for requests to an app whose lifespan has not run (the engine thread starts there)."""
+    return APIError(
+        "The server's engine has not started: the app's ASGI lifespan starts it (uvicorn runs it; "
+        "httpx.ASGITransport does not: enter fastapi's TestClient(app) as a context manager instead).",
+        status_code=503,
+        type="server_error",
+        code="not_started",
+    )
