@@ -76,7 +76,7 @@ class Generation:
         n = request.n
         stops = stop_strings(request)
         longest = max(map(len, stops), default=0)  # a stop string may begin in the prompt's last characters
-        tails = [tokenizer.decode(p[-longest:], skip_special_tokens=True) if longest > 1 else "" for p in prompts]
+        tails = [p[-longest:] if longest else [] for p in prompts]  # decoded with the completion, as the engine does
         self.choices = [
             Choice(index=p * n + j, prompt_index=p, text=IncrementalText(tokenizer, stops, tails[p]))
             for p in range(len(prompts))
