@@ -1,12 +1,9 @@
-"""One engine per model, and the handles every caller submits through.
-
-``EngineCore`` (one per patched model, created by ``patch``) joins the scheduler and the runner:
-``step`` = schedule -> execute -> update, where an overlapped step's result is read during the next step.
-Callers never drive it directly: each ``generate_many``/``stream_many`` call, each ``Engine`` handle, each
-server request goes through a ``Client``, which submits requests under the core's lock and receives their
-outputs, whichever caller ran the step that produced them. Requests of different callers therefore share
-batches, from any number of threads or asyncio tasks, and each caller gets exactly its own results.
-"""
+"""One engine per model, and the handles every caller submits through. ``EngineCore`` (one per patched model, made
+by ``patch``) joins the scheduler and the runner: ``step`` = schedule -> execute -> update, where an overlapped step's
+result is read during the next step. Callers never drive it directly: each ``generate_many``/``stream_many`` call,
+``Engine`` handle and server request goes through a ``Client``, which submits requests under the core's lock and
+receives their outputs, whichever caller ran the step that produced them: requests of different callers share
+batches, from any number of threads or asyncio tasks, and each caller gets exactly its own results."""
 
 from __future__ import annotations
 
@@ -21,7 +18,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from .core.config import out_of_memory_message
-from .core.interrupts import interrupts_deferred
+from .core.interrupts import escapable, interrupts_deferred
 from .core.kv_manager import KVManager
 from .core.request import Request, is_prompt_finished
 from .core.scheduler import Scheduler
@@ -66,6 +63,7 @@ class EngineCore:
         # step before the host launched the next one, i.e. it waited on the host (on the CPU: every step)
         self.num_ready_reads = 0
         self.undelivered: list[RequestOutput] = []  # outputs a failed step made before failing (step_for_clients)
+        self.guard: interrupts_deferred | None = None  # a step's Ctrl-C deferral (main thread, default handler)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, launch, and read back what is due: the step before (if it overlapped this one) or this one.
@@ -81,7 +79,8 @@ class EngineCore:
         try:
             scheduler_output = self.scheduler.schedule()
             t1 = clock()
-            result = self.runner.execute(scheduler_output)
+            with escapable(self.guard):  # (a second Ctrl-C may stop the forward)
+                result = self.runner.execute(scheduler_output)
             t2 = clock()
             previous, self.in_flight = self.in_flight, None
             if previous is not None:
@@ -117,7 +116,8 @@ class EngineCore:
     def _update(self, step: tuple[SchedulerOutput, StepResult]) -> list[RequestOutput]:
         scheduler_output, result = step
         t0 = time.perf_counter()
-        runner_output = result.result()
+        with escapable(self.guard):
+            runner_output = result.result()
         self.timings["wait"] += time.perf_counter() - t0  # the host idle, waiting for the device
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
@@ -146,21 +146,24 @@ class EngineCore:
 
     def step_for_clients(self) -> None:
         """Run one step and hand every output to the client that owns its prompt (call with the lock held); a failed
-        step's outputs made before the failure too. A user's criterion's non-``Exception`` raises once they are out."""
+        step's outputs made before the failure too. A Ctrl-C, and a user's criterion's non-``Exception``, raise once
+        they are out (``core/interrupts.py``; the step's own error wins)."""
         self.reap_orphans()
-        with interrupts_deferred(self.scheduler.interrupts):  # a Ctrl-C waits for the step and its delivery
+        interrupts, failed = self.scheduler.interrupts, None
+        with interrupts_deferred() as deferral:
+            self.guard = deferral if deferral.installed else None
             try:
                 outputs = self.step()
-            except BaseException:
-                outputs, self.undelivered = self.undelivered, []
-                self._deliver(outputs)
-                self.scheduler.interrupts.clear()  # the step's own error wins over an interrupt it deferred
-                raise
+            except BaseException as error:
+                failed, outputs, self.undelivered = error, self.undelivered, []
+            self.guard = None
             self._deliver(outputs)
-        if self.scheduler.interrupts:  # KeyboardInterrupt, SystemExit: the step completed, nothing to recompute
-            error = self.scheduler.interrupts[0]
-            self.scheduler.interrupts.clear()
-            raise error
+            pending = [*interrupts, *deferral.caught] if failed is None else []
+            interrupts.clear()
+        if failed is not None:
+            raise failed
+        if pending:  # the step completed: nothing to recompute
+            raise pending[0]
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         finished = []
@@ -327,12 +330,9 @@ class Client:
 
 
 class Engine(Client):
-    """Continuous batching over a patched model: ``add_request``, ``step``, ``abort``, ``has_unfinished``.
-
-    Handles of one model share its engine: requests added through any of them run in the same batches, and
-    ``step`` returns the outputs of this handle's requests (with overlapped steps, a step's tokens arrive
-    with the next call).
-    """
+    """Continuous batching over a patched model: ``add_request``, ``step``, ``abort``, ``has_unfinished``. Handles
+    of one model share its engine: requests added through any of them run in the same batches, and ``step`` returns
+    the outputs of this handle's requests (with overlapped steps, a step's tokens arrive with the next call)."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: Any = None):
         super().__init__(engine_of(model))

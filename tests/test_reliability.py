@@ -351,7 +351,13 @@ def test_a_ctrl_c_during_a_step_waits_for_the_step_and_its_delivery(where, async
     hfpaged.unpatch(m)
 
 
-def test_a_second_ctrl_c_stops_the_step_at_once_and_the_requests_are_recomputed(monkeypatch):
+@pytest.mark.parametrize("where", ["execute", "check_stops", "deliver"])
+def test_a_second_ctrl_c_stops_the_forward_at_once_and_waits_elsewhere(where, monkeypatch):
+    # the model's forward (and the wait for the device) may take long: a second Ctrl-C there raises at once and the
+    # step is recomputed; in the host bookkeeping (stop checks, delivery), which cannot hang and cannot always be
+    # undone (a beam round, a fork), both wait for the step. Either way one KeyboardInterrupt, exact tokens, and
+    # nothing held over to a later call (before: a Ctrl-C held when the second one struck was raised by the next
+    # step, in whichever caller ran it)
     from hfpaged.core import scheduler
 
     m = make_model("llama", seed=0)
@@ -359,15 +365,55 @@ def test_a_second_ctrl_c_stops_the_step_at_once_and_the_requests_are_recomputed(
     expected = reference_generate(m, prompts, max_new_tokens=5, do_sample=False)
     hfpaged.patch(m, num_blocks=64, block_size=4, async_scheduling=False)
     engine = hfpaged.Engine(m)
-    fired, previous = ctrl_c_at(monkeypatch, scheduler.Scheduler, "schedule", calls={3}, times=2)
+    owner, name = {
+        "execute": (m._hfpaged.engine.runner, "execute"),
+        "check_stops": (scheduler, "check_stops"),
+        "deliver": (type(engine.core), "_deliver"),
+    }[where]
+    fired, previous = ctrl_c_at(monkeypatch, owner, name, calls={3}, times=2)
+    calls, completed = [0], []  # the calls that ran to their end
+    real = getattr(owner, name)
+
+    def tracked(*args, **kwargs):
+        calls[0] += 1
+        call = calls[0]
+        result = real(*args, **kwargs)
+        completed.append(call)
+        return result
+
+    monkeypatch.setattr(owner, name, tracked)
     try:
         ids = [engine.add_request(p, max_new_tokens=5, do_sample=False) for p in prompts]
         streamed, final, interrupts = run_engine(engine, set(ids))
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert fired == [3] and interrupts == 1  # the second raised inside the step; the first was dropped with it
+    assert fired == [3] and interrupts == 1
+    assert (3 in completed) == (where != "execute")  # the forward stopped at once; the others completed
     assert [streamed[i] for i in ids] == [final[i][0] for i in ids] == expected
     assert all_free(m)
+    assert m.generate_many(prompts, max_new_tokens=2, do_sample=False)  # no interrupt held over
+
+
+def test_a_sigint_handler_installed_during_a_step_stays(monkeypatch):
+    # a stopping criterion (or a logits processor) that installs its own handler keeps it, as under stock generate;
+    # the step's own handler is not what user code sees afterwards (before: the default handler was put back)
+    m = make_model("llama", seed=0)
+    hfpaged.patch(m, num_blocks=32, block_size=4)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def mine(signum, frame):
+        pass
+
+    class InstallsAHandler(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            signal.signal(signal.SIGINT, mine)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    try:
+        m.generate_many(random_prompts([5], seed=2), max_new_tokens=3, stopping_criteria=[InstallsAHandler()])
+        assert signal.getsignal(signal.SIGINT) is mine
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt], ids=["internal", "raised-interrupt"])

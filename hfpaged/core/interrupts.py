@@ -1,5 +1,7 @@
 """Ctrl-C held back while a step runs: a step stopped half way through its host code (tokens appended but not
-stop-checked, outputs built but not handed out) cannot always be undone, so the first Ctrl-C waits for the step."""
+stop-checked, a beam round half applied, outputs built but not handed out) cannot always be undone, so a Ctrl-C
+waits for the step. Only where the step may wait for long (the model's forward, the device, user logits
+processors: ``escapable``) does a second Ctrl-C raise at once; the recovery of a failed step handles that."""
 
 import _signal  # signal.signal is this plus an enum conversion of its result: ~10 us a call, this ~0.3 us
 import signal
@@ -7,27 +9,46 @@ import threading
 
 
 class interrupts_deferred:
-    """Inside the block a Ctrl-C (SIGINT under Python's default handler) goes into ``sink`` as a
-    ``KeyboardInterrupt`` for the caller to raise after the block; a second one raises at once (a step that
-    hangs can still be stopped). Only the main thread receives signals: elsewhere, or where the program has a
-    SIGINT handler of its own (a server's), nothing changes."""
+    """Inside the block a Ctrl-C (SIGINT under Python's default handler) is held in ``caught`` as a
+    ``KeyboardInterrupt`` for the caller to raise after the block; inside ``escapable`` parts a second one raises
+    at once. Only the main thread receives signals: elsewhere, or where the program has a SIGINT handler of its own
+    (a server's), nothing changes. A handler the block's code installs is left in place."""
 
-    def __init__(self, sink: list[BaseException]) -> None:
-        self.sink, self.held, self.installed = sink, False, False
+    def __init__(self) -> None:
+        self.caught: list[KeyboardInterrupt] = []
+        self.escape = False  # raise at a second Ctrl-C (set by ``escapable``; never inside __enter__ / __exit__)
+        self.handler = self._hold  # (one bound method: what __exit__ compares the installed handler with)
+        self.installed = False
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> "interrupts_deferred":
         main = threading.current_thread() is threading.main_thread()
         if main and _signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            _signal.signal(signal.SIGINT, self._hold)
             self.installed = True
+            _signal.signal(signal.SIGINT, self.handler)
+        return self
 
     def __exit__(self, *exc_info) -> None:
-        if self.installed:
+        self.escape = False
+        if self.installed and _signal.getsignal(signal.SIGINT) is self.handler:
             _signal.signal(signal.SIGINT, signal.default_int_handler)
-            self.installed = False
+        self.installed = False
 
     def _hold(self, signum, frame) -> None:
-        if self.held:
+        if self.caught and self.escape:
             raise KeyboardInterrupt
-        self.held = True
-        self.sink.append(KeyboardInterrupt())
+        self.caught.append(KeyboardInterrupt())
+
+
+class escapable:
+    """Inside: a second Ctrl-C raises at once (``guard``: the step's deferral, None for none)."""
+
+    def __init__(self, guard: interrupts_deferred | None) -> None:
+        self.guard = guard
+
+    def __enter__(self) -> None:
+        if self.guard is not None:
+            self.guard.escape = True
+
+    def __exit__(self, *exc_info) -> None:
+        if self.guard is not None:
+            self.guard.escape = False
