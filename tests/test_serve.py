@@ -7,6 +7,7 @@ the engine side's messages alone, ``generate_many`` sharing the engine with the 
 that dies, and ``create_app`` under Starlette's test client."""
 
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -1085,6 +1086,58 @@ def test_a_model_patched_again_while_serving_keeps_serving(tokenizer, frontend_p
         assert response.json()["choices"][0]["text"] == expected
     stats = hfpaged.stats(m)
     assert stats["num_blocks"] == 128 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_a_re_patch_ends_every_request_of_the_old_engine_and_the_limits_follow_the_new_pool(tokenizer):
+    # an n = 2 prompt still waiting at the re-patch had only its first sequence reported ("abort"): its HTTP request
+    # waited for the second for ever. Chat requests without max_tokens were then refused (400) against the old pool.
+    import queue
+
+    from hfpaged.serve.engine_loop import EngineLoop
+    from hfpaged.serve.messages import Added, AddRequests, RequestsFailed, StepOutputs, StopEngine, Submission
+
+    m = make_model("llama", vocab_size=len(tokenizer), seed=3)
+    hfpaged.patch(m, num_blocks=160, block_size=4, max_num_seqs=2, tokenizer=tokenizer)
+    loop, inbox = EngineLoop(m, tokenizer), queue.SimpleQueue()
+    loop.start([inbox.put])
+    try:
+        long = dict(max_new_tokens=400, min_new_tokens=400)
+        loop.put(AddRequests(1, [Submission("A", [5, 6, 7, 8, 9], long, 1)]))
+        while not (isinstance(message := inbox.get(timeout=30), StepOutputs) and "A" in message.prompt_ids):
+            pass
+        sampled = dict(max_new_tokens=5, do_sample=True, num_return_sequences=2)
+        loop.put(
+            AddRequests(2, [Submission("B", [5, 6, 7], sampled, 2)])
+        )  # waits: its two sequences do not fit beside A
+        while not (isinstance(message := inbox.get(timeout=30), Added) and message.tag == 2):
+            pass
+        hfpaged.patch(m, num_blocks=40, block_size=4, max_num_seqs=2, tokenizer=tokenizer)
+        ended: dict[str, int] = {}
+        deadline = time.monotonic() + 20
+        while ended.get("A", 0) < 1 or ended.get("B", 0) < 2:
+            assert time.monotonic() < deadline, ended
+            with contextlib.suppress(queue.Empty):
+                message = inbox.get(timeout=0.2)
+                if isinstance(message, StepOutputs):
+                    for k in message.finished:
+                        ended[message.prompt_ids[k]] = ended.get(message.prompt_ids[k], 0) + 1
+                elif isinstance(message, RequestsFailed):
+                    for request_id in message.request_ids:
+                        ended[request_id] = 2
+        loop.put(AddRequests(3, [Submission("C", [5, 6], dict(max_new_tokens=2), 1)]))  # on the new engine
+        while not (isinstance(message := inbox.get(timeout=30), StepOutputs) and 0 in message.finished):
+            pass
+        assert message.prompt_ids == ["C"] and message.finished[0][0] == "length"
+        assert not loop.unfinished and loop.stats["num_blocks"] == 40
+    finally:
+        loop.put(StopEngine(), None)
+        loop.thread.join(10)
+    with Server(m, tokenizer, port=0, served_model_name=MODEL_NAME, frontend_process=False) as srv:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        hfpaged.patch(m, num_blocks=24, block_size=4, max_num_seqs=2, tokenizer=tokenizer)  # a smaller pool still
+        good_request(client)  # the engine thread sees the re-patch
+        out = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, temperature=0, logit_bias=NO_EOS)
+        assert out.choices[0].finish_reason == "length" and out.usage.total_tokens == 24 * 4
 
 
 def test_a_request_holding_the_pad_token_id_is_served_with_every_token_attended(tokenizer):

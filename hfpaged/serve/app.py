@@ -90,5 +90,5 @@ def _model_card(ctx: ServingContext) -> dict:
         "object": "model",
         "created": ctx.created,
         "owned_by": "hfpaged",
-        "max_model_len": ctx.limits.max_total_tokens,
+        "max_model_len": ctx.current_limits().max_total_tokens,
     }

@@ -68,9 +68,9 @@ async def create_chat_completion(ctx: ServingContext, http_request: Request) -> 
         raise invalid_request("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
     prompt = await ctx.off_loop(chat_prompt_token_ids, request.messages, ctx.tokenizer)
     num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    kwargs = generate_kwargs(request, ctx.limits, num_logprobs=num_logprobs)
+    kwargs = generate_kwargs(request, ctx.current_limits(), num_logprobs=num_logprobs)
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-    budget = completion_budget(max_tokens, len(prompt), ctx.limits, default=None, prompt_param="messages")
+    budget = completion_budget(max_tokens, len(prompt), ctx.current_limits(), default=None, prompt_param="messages")
     generation = Generation(ctx.engine, ctx.tokenizer, request, [prompt], [budget], kwargs, incremental=request.stream)
     await generation.start(arrival)
     header = {"id": f"chatcmpl-{generation.request_id}", "created": generation.created, "model": ctx.model_name}

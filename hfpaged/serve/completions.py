@@ -50,9 +50,11 @@ async def create_completion(ctx: ServingContext, http_request: Request) -> Respo
             "`echo` with `logprobs` needs prompt log-probs, which hfpaged does not compute", param="echo"
         )
     prompts, texts = await ctx.off_loop(prompt_token_ids, request.prompt, ctx.tokenizer)
-    kwargs = generate_kwargs(request, ctx.limits, num_logprobs=request.logprobs)
+    kwargs = generate_kwargs(request, ctx.current_limits(), num_logprobs=request.logprobs)
     budgets = [
-        completion_budget(request.max_tokens, len(p), ctx.limits, default=DEFAULT_MAX_TOKENS, prompt_param="prompt")
+        completion_budget(
+            request.max_tokens, len(p), ctx.current_limits(), default=DEFAULT_MAX_TOKENS, prompt_param="prompt"
+        )
         for p in prompts
     ]
     generation = Generation(ctx.engine, ctx.tokenizer, request, prompts, budgets, kwargs, incremental=request.stream)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,6 +36,15 @@ class ServingContext:
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the tokenizer thread, awaited."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
+
+    def current_limits(self) -> ModelLimits:
+        """``limits`` with the KV pool as the engine reports it now (a re-patch while serving may resize it)."""
+        stats = self.engine.stats
+        if "num_blocks" in stats and "block_size" in stats:
+            pool = int(stats["num_blocks"]) * int(stats["block_size"])
+            if pool != self.limits.max_pool_tokens:
+                return dataclasses.replace(self.limits, max_pool_tokens=pool)
+        return self.limits
 
     def check_model(self, requested: str | None) -> None:
         """404 unless ``requested`` is this server's model (or absent)."""

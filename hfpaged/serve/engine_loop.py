@@ -185,12 +185,27 @@ class EngineLoop:
                 self._drain()
 
     def _follow_repatch(self) -> Engine:
-        """The handle on the model's engine: a model patched again (other settings) has a new one, which the loop
-        takes once the old handle has handed out everything (its requests end with "abort" at the re-patch)."""
+        """The handle on the model's engine. Once the model is unpatched or patched again (other settings), the old
+        handle's last outputs (its requests end with "abort") go out, what it leaves unreported fails (an n > 1
+        prompt that had not forked yet), and, once the model has a new engine, the loop goes on with a handle on it."""
         state = getattr(self.model, "_hfpaged", None)
-        stale = state is not None and getattr(state, "engine", None) is not self.engine.core
-        if stale and not self.engine.has_unfinished():
+        engine = getattr(state, "engine", None)  # (None between the two halves of a patch in another thread)
+        if engine is self.engine.core:
+            return self.engine
+        if self.engine.outbox:
+            self._ship(self.engine.step())
+        by_source: dict[int, list[str]] = {}
+        for request_id in list(self.unfinished):
+            by_source.setdefault(self.owners.get(request_id), []).append(request_id)
+            self.unfinished.pop(request_id, None)
+            self.owners.pop(request_id, None)
+            self.waiting.discard(request_id)
+        for source, failed in by_source.items():
+            if source is not None:
+                self._send(source, RequestsFailed(failed, "the model was unpatched or patched again while it ran"))
+        if engine is not None:
             self.engine = Engine(self.model, tokenizer=self.engine.tokenizer)
+            self._broadcast(EngineStats(self._refresh_stats()))  # the front ends' limits follow the new pool
         return self.engine
 
     def _send(self, source: int, message: Any) -> None:
@@ -305,6 +320,11 @@ class EngineLoop:
             return
         clock.lap("step")
         self.num_steps += 1
+        self._ship(outputs)
+        clock.lap("outputs")
+
+    def _ship(self, outputs: list) -> None:
+        """Send each front end its outputs of a step (and the pool figures, every STATS_INTERVAL)."""
         columns: dict[int, StepOutputs] = {}  # front end -> its outputs of this step
         unfinished, waiting, owners = self.unfinished, self.waiting, self.owners
         for output in outputs:
@@ -340,14 +360,13 @@ class EngineLoop:
                     columns[source] = StepOutputs([], [], [], {}, {}, stats)
         for source, column in columns.items():
             self._send(source, column)
-        clock.lap("outputs")
 
     def _snapshot(self) -> dict[str, Any]:
         """The pool figures (``hfpaged.stats``) and this loop's counters, as the front ends show them (the last
         figures while the model is not patched: between the two halves of a re-patch in another thread)."""
         try:
             stats = pool_stats(self.model)
-        except ValueError:
+        except (ValueError, AttributeError):  # mid re-patch (no pool, or no engine yet)
             stats = dict(getattr(self, "stats", {}))
         stats["engine_loop_seconds"] = dict(self.clock.seconds)
         stats["engine_loop_steps"] = getattr(self, "num_steps", 0)
