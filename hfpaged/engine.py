@@ -149,14 +149,14 @@ class EngineCore:
         step's outputs made before the failure too. A Ctrl-C, and a user's criterion's non-``Exception``, raise once
         they are out (``core/interrupts.py``; the step's own error wins)."""
         self.reap_orphans()
-        interrupts, failed = self.scheduler.interrupts, None
+        interrupts, failed, outer_guard = self.scheduler.interrupts, None, self.guard  # (outer: a re-entrant call)
         with interrupts_deferred() as deferral:
             self.guard = deferral if deferral.installed else None
             try:
                 outputs = self.step()
             except BaseException as error:
                 failed, outputs, self.undelivered = error, self.undelivered, []
-            self.guard = None
+            self.guard = outer_guard
             self._deliver(outputs)
             pending = [*interrupts, *deferral.caught] if failed is None else []
             interrupts.clear()

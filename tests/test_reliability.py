@@ -394,6 +394,85 @@ def test_a_second_ctrl_c_stops_the_forward_at_once_and_waits_elsewhere(where, mo
     assert m.generate_many(prompts, max_new_tokens=2, do_sample=False)  # no interrupt held over
 
 
+def test_ctrl_cs_inside_a_generation_nested_in_a_step_wait_for_the_outer_step(monkeypatch):
+    # a logits processor of model A generates with model B (an Engine handle's beam search of B runs beside): two
+    # Ctrl-Cs landing while B's update moves the beams raised half way through the round (A's forward let a second
+    # one escape) and B's beams came out wrong. Now the nested step holds them: A's call raises once, B stays exact.
+    from transformers import LogitsProcessor
+
+    from hfpaged.core import kv_manager
+
+    a, b = make_model("llama", seed=0), make_model("llama", seed=0)
+    beam_prompt = random_prompts([7], seed=1)[0]
+    beam = dict(max_new_tokens=6, do_sample=False, num_beams=3, num_return_sequences=3, early_stopping=True)
+    with torch.no_grad():
+        stock = sorted(b.generate(torch.tensor([beam_prompt]), **beam)[:, 7:].tolist())
+    hfpaged.patch(a, num_blocks=64, block_size=4, async_scheduling=False)
+    hfpaged.patch(b, num_blocks=64, block_size=4, async_scheduling=False)
+    handle = hfpaged.Engine(b)
+    handle.add_request(beam_prompt, **beam)
+    finals = [o for o in handle.step() if o.finished]  # the beam search's prefill
+    fired, previous = ctrl_c_at(monkeypatch, kv_manager.KVManager, "share", calls={2}, times=2)
+
+    class Nested(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if not fired:
+                b.generate_many(random_prompts([4], seed=3), max_new_tokens=5, do_sample=False)
+            return scores
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            a.generate_many(random_prompts([5], seed=2), max_new_tokens=3, logits_processor=[Nested()])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert fired == [2]
+    while handle.has_unfinished():
+        finals += [o for o in handle.step() if o.finished]
+    assert sorted(o.token_ids for o in finals) == stock
+    assert all_free(a) and all_free(b)
+
+
+@pytest.mark.parametrize("where", ["fork", "share"])
+def test_an_error_while_a_prompt_forks_or_moves_its_beams_fails_the_whole_prompt(where, monkeypatch):
+    # neither a fork nor a beam round has an undo: a failure half way (an internal error, a KeyboardInterrupt from a
+    # SIGINT handler of the program's own) left a sequence that never reported (its caller waited for ever) or beams
+    # that went on from a half-applied round (wrong tokens). Now every sequence of that prompt fails with the error.
+    from hfpaged.core import kv_manager
+
+    m = make_model("llama", seed=0)
+    prompt = random_prompts([7], seed=1)[0]
+    if where == "fork":
+        settings = dict(max_new_tokens=6, do_sample=True, num_return_sequences=3, seed=0)
+    else:
+        settings = dict(max_new_tokens=6, do_sample=False, num_beams=3, num_return_sequences=3)
+    hfpaged.patch(m, num_blocks=64, block_size=4, async_scheduling=False)
+    real, calls = getattr(kv_manager.KVManager, where), [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("injected half way")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kv_manager.KVManager, where, failing)
+    engine = hfpaged.Engine(m)
+    engine.add_request(prompt, **settings)
+    finished, failures = [], 0
+    for _ in range(50):
+        if not engine.has_unfinished():
+            break
+        try:
+            finished += [o for o in engine.step() if o.finished]
+        except RuntimeError:
+            failures += 1
+    assert failures == 1 and not engine.has_unfinished()
+    assert {o.finish_reason for o in finished} == {"error"}
+    assert len(finished) == (3 if where == "fork" else 1)  # each sampled sequence; a beam search's one output
+    assert all_free(m)
+    monkeypatch.undo()
+    assert m.generate_many([prompt], max_new_tokens=3, do_sample=False)[0].token_ids
+
+
 def test_a_sigint_handler_installed_during_a_step_stays(monkeypatch):
     # a stopping criterion (or a logits processor) that installs its own handler keeps it, as under stock generate;
     # the step's own handler is not what user code sees afterwards (before: the default handler was put back)

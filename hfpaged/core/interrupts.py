@@ -19,16 +19,27 @@ class interrupts_deferred:
         self.escape = False  # raise at a second Ctrl-C (set by ``escapable``; never inside __enter__ / __exit__)
         self.handler = self._hold  # (one bound method: what __exit__ compares the installed handler with)
         self.installed = False
+        self.outer: interrupts_deferred | None = None  # a step's deferral this one runs inside (a nested call)
+        self.outer_escape = False
 
     def __enter__(self) -> "interrupts_deferred":
-        main = threading.current_thread() is threading.main_thread()
-        if main and _signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        current = _signal.getsignal(signal.SIGINT)
+        outer = getattr(current, "__self__", None)
+        if isinstance(outer, interrupts_deferred) and current is outer.handler:
+            # a call made inside another step (a logits processor or criterion generating with a model): the outer
+            # step holds its Ctrl-Cs, and none may escape half way through this step's bookkeeping
+            self.outer, self.outer_escape, outer.escape = outer, outer.escape, False
+        elif current is signal.default_int_handler:
             self.installed = True
             _signal.signal(signal.SIGINT, self.handler)
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.escape = False
+        if self.outer is not None:
+            self.outer.escape, self.outer = self.outer_escape, None
         if self.installed and _signal.getsignal(signal.SIGINT) is self.handler:
             _signal.signal(signal.SIGINT, signal.default_int_handler)
         self.installed = False

@@ -92,12 +92,10 @@ class Scheduler(SequenceGroups):
             reason, error = "error", reason
         if isinstance(error, BaseException):
             request.exception, error = error, f"{type(error).__name__}: {error}"
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
-        elif request.status is RequestStatus.SWAPPED:
-            self.swapped.remove(request)
+        queue = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING: self.waiting}.get(request.status)
+        queue = self.swapped if request.status is RequestStatus.SWAPPED else queue
+        if queue is not None and request in queue:  # (a fork that failed half way is in none)
+            queue.remove(request)
         if request.status is not RequestStatus.FINISHED:
             self.kv.free(request)
             self._forget(request)
@@ -353,7 +351,7 @@ class Scheduler(SequenceGroups):
                         self.kv.register_computed(request)
         advanced: list[Request] = []
         outputs: list[RequestOutput] = []
-        settled = 0  # advanced requests whose stop checks have been applied
+        settled, forking = 0, []  # advanced requests whose stop checks have been applied; parents forking now
         try:
             logprobs, top_logprobs, errors = result.logprobs, result.top_logprobs, result.errors
             for row, (request_id, token_id) in enumerate(zip(result.request_ids, result.token_ids)):
@@ -371,6 +369,7 @@ class Scheduler(SequenceGroups):
                 )
                 advanced.append(request)
                 if request.num_forks_pending:
+                    forking.append(request)
                     for fork in result.forks.get(request_id, ()):
                         advanced.append(self._fork(request, fork.sequence_index, fork.params, fork.sampled))
                     request.num_forks_pending = 0
@@ -383,10 +382,8 @@ class Scheduler(SequenceGroups):
             if self.position_table is not None:  # its next token past the table: stock raises IndexError there
                 outputs += finish_past_table(self, advanced, result.beam_rounds)
         except BaseException as error:  # half way (an internal error): a token not stop-checked must not run unchecked
-            for request in advanced[settled:]:
-                if not request.is_finished:
-                    self.finish(request, error)
-            self.failed_outputs = outputs + step_outputs(advanced)
+            self.failed_outputs = outputs + self._fail_half_done(advanced, settled, forking, result.beam_rounds, error)
+            self.failed_outputs += step_outputs(advanced)
             raise
         return outputs + step_outputs(advanced)
 

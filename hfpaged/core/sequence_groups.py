@@ -90,3 +90,25 @@ class SequenceGroups:
             member.num_computed_tokens = num_computed
             self._forget(member)  # its tokens and table are another beam's now: the runner rebuilds its state
         return []
+
+    def _fail_half_done(self, advanced: list[Request], settled: int, forking: list[Request], beam_rounds: list, error):
+        """An update that failed half way: the requests whose new token was not stop-checked (``advanced[settled:]``)
+        fail with ``error``, and so does every sequence of a prompt that was forking or moving its beams in it
+        (neither has an undo); returns the outputs of the sequences ``advanced`` does not hold (a fork not yet
+        running, a beam search)."""
+        outputs = []
+        roots = [self.requests.get(r.root_id) for r in beam_rounds]
+        groups = {id(r.group): r.group for r in [*forking, *roots] if r is not None and r.group is not None}
+        for request in advanced[settled:]:
+            if not request.is_finished:
+                self.finish(request, error)
+        for group in groups.values():
+            failed = [m for m in group.members if not m.is_finished]
+            for member in failed:
+                self.finish(member, error)
+                if group.beam_search is None and member not in advanced:
+                    outputs.append(progress_output(member, 0))
+            if group.beam_search is not None and failed:
+                group.beam_search.aborted = True
+                outputs.append(progress_output(group.members[0], 0))
+        return outputs

@@ -184,16 +184,20 @@ class EngineLoop:
             with contextlib.suppress(Exception):
                 self._drain()
 
+    def _current_engine(self) -> Any:
+        """The model's engine now (None while it is not patched, or between the two halves of a patch)."""
+        return getattr(getattr(self.model, "_hfpaged", None), "engine", None)
+
     def _follow_repatch(self) -> Engine:
         """The handle on the model's engine. Once the model is unpatched or patched again (other settings), the old
         handle's last outputs (its requests end with "abort") go out, what it leaves unreported fails (an n > 1
         prompt that had not forked yet), and, once the model has a new engine, the loop goes on with a handle on it."""
-        state = getattr(self.model, "_hfpaged", None)
-        engine = getattr(state, "engine", None)  # (None between the two halves of a patch in another thread)
-        if engine is self.engine.core:
-            return self.engine
-        if self.engine.outbox:
-            self._ship(self.engine.step())
+        engine = self._current_engine()
+        old = self.engine
+        if engine is old.core:
+            return old
+        if old.outbox:
+            self._ship(old.step())
         by_source: dict[int, list[str]] = {}
         for request_id in list(self.unfinished):
             by_source.setdefault(self.owners.get(request_id), []).append(request_id)
@@ -203,9 +207,13 @@ class EngineLoop:
         for source, failed in by_source.items():
             if source is not None:
                 self._send(source, RequestsFailed(failed, "the model was unpatched or patched again while it ran"))
+        with contextlib.suppress(Exception):  # a request added between the unpatch's aborts and the detach
+            old.abort_all()
+        old.prompts.clear()  # nothing of the old handle is reported any more: the loop must not step it
         if engine is not None:
-            self.engine = Engine(self.model, tokenizer=self.engine.tokenizer)
-            self._broadcast(EngineStats(self._refresh_stats()))  # the front ends' limits follow the new pool
+            with contextlib.suppress(ValueError, RuntimeError):  # unpatched again meanwhile: the next call retries
+                self.engine = Engine(self.model, tokenizer=old.tokenizer)
+                self._broadcast(EngineStats(self._refresh_stats()))  # the front ends' limits follow the new pool
         return self.engine
 
     def _send(self, source: int, message: Any) -> None:
@@ -284,13 +292,16 @@ class EngineLoop:
 
     def _add_submissions(self, commands: list[tuple[int, AddRequests]]) -> None:
         submissions = [(source, s) for source, command in commands for s in command.submissions]
-        self._follow_repatch()  # (a re-patch while the loop slept)
-        self.engine.add_requests(
-            # every token is attended, as under an all-ones attention mask: a pad id in a request's text is a token
-            [UnpaddedIds(s.prompt_token_ids) for _, s in submissions],
-            [s.generate_kwargs for _, s in submissions],
-            [s.request_id for _, s in submissions],
-        )
+        # every token is attended, as under an all-ones attention mask: a pad id in a request's text is a token
+        args = ([UnpaddedIds(s.prompt_token_ids) for _, s in submissions], [s.generate_kwargs for _, s in submissions])
+        for attempt in range(2):
+            engine = self._follow_repatch()  # (a re-patch while the loop slept)
+            try:
+                engine.add_requests(*args, [s.request_id for _, s in submissions])
+                break
+            except RuntimeError:  # re-patched since the line above (the handle went stale): once more, on the new one
+                if attempt or self._current_engine() is None or self._current_engine() is engine.core:
+                    raise
         for source, submission in submissions:
             self.unfinished[submission.request_id] = submission.num_sequences
             self.owners[submission.request_id] = source
