@@ -21,6 +21,7 @@ samples, moves beams on, checks stop conditions, frees finished requests and ret
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 
@@ -92,10 +93,13 @@ class Scheduler(SequenceGroups):
             reason, error = "error", reason
         if isinstance(error, BaseException):
             request.exception, error = error, f"{type(error).__name__}: {error}"
-        queue = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING: self.waiting}.get(request.status)
-        queue = self.swapped if request.status is RequestStatus.SWAPPED else queue
-        if queue is not None and request in queue:  # (a fork that failed half way is in none)
-            queue.remove(request)
+        with contextlib.suppress(ValueError):  # (a fork that failed half way is in no queue)
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request.status is RequestStatus.WAITING:
+                self.waiting.remove(request)
+            elif request.status is RequestStatus.SWAPPED:
+                self.swapped.remove(request)
         if request.status is not RequestStatus.FINISHED:
             self.kv.free(request)
             self._forget(request)
