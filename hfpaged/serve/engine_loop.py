@@ -198,15 +198,7 @@ class EngineLoop:
             return old
         if old.outbox:
             self._ship(old.step())
-        by_source: dict[int, list[str]] = {}
-        for request_id in list(self.unfinished):
-            by_source.setdefault(self.owners.get(request_id), []).append(request_id)
-            self.unfinished.pop(request_id, None)
-            self.owners.pop(request_id, None)
-            self.waiting.discard(request_id)
-        for source, failed in by_source.items():
-            if source is not None:
-                self._send(source, RequestsFailed(failed, "the model was unpatched or patched again while it ran"))
+        self._fail_all("the model was unpatched or patched again while it ran")
         with contextlib.suppress(Exception):  # a request added between the unpatch's aborts and the detach
             old.abort_all()
         old.prompts.clear()  # nothing of the old handle is reported any more: the loop must not step it
@@ -300,12 +292,27 @@ class EngineLoop:
                 engine.add_requests(*args, [s.request_id for _, s in submissions])
                 break
             except RuntimeError:  # re-patched since the line above (the handle went stale): once more, on the new one
-                if attempt or self._current_engine() is None or self._current_engine() is engine.core:
+                current = self._current_engine()
+                if attempt or current is None or current is engine.core:
                     raise
         for source, submission in submissions:
             self.unfinished[submission.request_id] = submission.num_sequences
             self.owners[submission.request_id] = source
             self.waiting.add(submission.request_id)
+
+    def _fail_all(self, message: str) -> None:
+        """Every unfinished submission is aborted and fails with ``message`` (``RequestsFailed`` to its front end)."""
+        by_source: dict[int, list[str]] = {}
+        for request_id in list(self.unfinished):
+            by_source.setdefault(self.owners.get(request_id), []).append(request_id)
+            with contextlib.suppress(Exception):  # (a handle gone stale: its engine has ended them already)
+                self.engine.abort(request_id)
+            self.unfinished.pop(request_id, None)
+            self.owners.pop(request_id, None)
+            self.waiting.discard(request_id)
+        for source, failed in by_source.items():
+            if source is not None:
+                self._send(source, RequestsFailed(failed, message))
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -320,13 +327,7 @@ class EngineLoop:
         except Exception as exc:
             clock.lap("step")
             logger.exception("hfpaged engine step failed; aborting the requests in it")
-            by_source: dict[int, list[str]] = {}
-            for request_id in list(self.unfinished):
-                by_source.setdefault(self.owners.get(request_id), []).append(request_id)
-                self._abort(request_id)
-            for source, failed in by_source.items():
-                if source is not None:
-                    self._send(source, RequestsFailed(failed, f"the engine step failed: {exc!r}"))
+            self._fail_all(f"the engine step failed: {exc!r}")
             clock.lap("outputs")
             return
         clock.lap("step")
