@@ -432,45 +432,55 @@ def test_ctrl_cs_inside_a_generation_nested_in_a_step_wait_for_the_outer_step(mo
     assert all_free(a) and all_free(b)
 
 
-@pytest.mark.parametrize("where", ["fork", "share"])
+@pytest.mark.parametrize("where", ["fork", "add_member", "share"])
 def test_an_error_while_a_prompt_forks_or_moves_its_beams_fails_the_whole_prompt(where, monkeypatch):
     # neither a fork nor a beam round has an undo: a failure half way (an internal error, a KeyboardInterrupt from a
-    # SIGINT handler of the program's own) left a sequence that never reported (its caller waited for ever) or beams
-    # that went on from a half-applied round (wrong tokens). Now every sequence of that prompt fails with the error.
-    from hfpaged.core import kv_manager
+    # SIGINT handler of the program's own) left a sequence that never reported (its caller waited for ever, or a
+    # sequence not made yet was missing) or beams that went on from a half-applied round (wrong tokens). Now every
+    # sequence of that prompt fails with the error and reports once. Another prompt's beam search in the same
+    # update, whose round was not reached, and a greedy request beside are recomputed, exact.
+    from hfpaged.core import kv_manager, request
 
     m = make_model("llama", seed=0)
-    prompt = random_prompts([7], seed=1)[0]
-    if where == "fork":
-        settings = dict(max_new_tokens=6, do_sample=True, num_return_sequences=3, seed=0)
-    else:
-        settings = dict(max_new_tokens=6, do_sample=False, num_beams=3, num_return_sequences=3)
-    hfpaged.patch(m, num_blocks=64, block_size=4, async_scheduling=False)
-    real, calls = getattr(kv_manager.KVManager, where), [0]
+    prompt, beam_prompt, greedy_prompt = random_prompts([7, 6, 9], seed=1)
+    beam = dict(max_new_tokens=6, do_sample=False, num_beams=3, num_return_sequences=3, early_stopping=True)
+    with torch.no_grad():
+        stock_beams = sorted(m.generate(torch.tensor([beam_prompt]), **beam)[:, 6:].tolist())
+    stock_greedy = reference_generate(m, [greedy_prompt], max_new_tokens=6, do_sample=False)[0]
+    sampled = dict(max_new_tokens=6, do_sample=True, num_return_sequences=3, seed=0)
+    hfpaged.patch(m, num_blocks=96, block_size=4, async_scheduling=False)
+    owner = request.RequestGroup if where == "add_member" else kv_manager.KVManager
+    real, calls = getattr(owner, where), [0]
+    engine, other = hfpaged.Engine(m), hfpaged.Engine(m)
+    target = engine.add_request(prompt, **(beam if where == "share" else sampled))
 
-    def failing(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 2:
-            raise RuntimeError("injected half way")
-        return real(*args, **kwargs)
+    def failing(self, *args, **kwargs):
+        members = args[0] if where == "share" else [self.members[0]] if where == "add_member" else [args[1]]
+        if members[0].prompt_id == target:
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("injected half way")
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(kv_manager.KVManager, where, failing)
-    engine = hfpaged.Engine(m)
-    engine.add_request(prompt, **settings)
-    finished, failures = [], 0
-    for _ in range(50):
-        if not engine.has_unfinished():
+    monkeypatch.setattr(owner, where, failing)
+    beam_id = other.add_request(beam_prompt, **beam)
+    greedy_id = other.add_request(greedy_prompt, max_new_tokens=6, do_sample=False)
+    finished, failures = {engine: [], other: []}, 0
+    for _ in range(80):
+        if not (engine.has_unfinished() or other.has_unfinished()):
             break
-        try:
-            finished += [o for o in engine.step() if o.finished]
-        except RuntimeError:
-            failures += 1
-    assert failures == 1 and not engine.has_unfinished()
-    assert {o.finish_reason for o in finished} == {"error"}
-    assert len(finished) == (3 if where == "fork" else 1)  # each sampled sequence; a beam search's one output
+        for handle in (engine, other):
+            try:
+                finished[handle] += [o for o in handle.step() if o.finished]
+            except RuntimeError:
+                failures += 1
+    assert failures == 1 and calls[0] >= 2
+    assert {o.finish_reason for o in finished[engine]} == {"error"}
+    indexes = sorted(o.sequence_index for o in finished[engine])
+    assert indexes == ([0] if where == "share" else [0, 1, 2])  # a beam search's one output; each sample's
+    assert sorted(o.token_ids for o in finished[other] if o.prompt_id == beam_id) == stock_beams
+    assert [o.token_ids for o in finished[other] if o.prompt_id == greedy_id] == [stock_greedy]
     assert all_free(m)
-    monkeypatch.undo()
-    assert m.generate_many([prompt], max_new_tokens=3, do_sample=False)[0].token_ids
 
 
 def test_a_sigint_handler_installed_during_a_step_stays(monkeypatch):
@@ -497,13 +507,12 @@ def test_a_sigint_handler_installed_during_a_step_stays(monkeypatch):
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt], ids=["internal", "raised-interrupt"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_an_internal_error_half_way_through_an_update_fails_the_unchecked_requests(
-    async_scheduling, error, monkeypatch
-):
+def test_an_error_half_way_through_an_update_gives_back_the_unchecked_tokens(async_scheduling, error, monkeypatch):
     # before: the tokens appended before the error went on unchecked after the recovery (a request could run past
-    # its length or eos, its stream missed the token). Now they fail with the error; the rest of the step is
-    # delivered, and the engine and the model stay usable and exact. (A KeyboardInterrupt raised there by a SIGINT
-    # handler of the program's own, which the engine does not hold back, is taken the same way.)
+    # its length or eos, its stream missed the token). Now an unchecked token is given back and sampled again when
+    # the request is recomputed: the error propagates, the streams and results stay exact. (A KeyboardInterrupt
+    # raised there by a SIGINT handler of the program's own, which the engine does not hold back, is taken the same
+    # way.)
     from hfpaged.core import scheduler
 
     m = make_model("llama", seed=0)
@@ -534,18 +543,9 @@ def test_an_internal_error_half_way_through_an_update_fails_the_unchecked_reques
             if output.finished:
                 finals[output.prompt_id] = output
     assert failures == 1
-    for i, want in zip(ids, expected):
-        output = finals[i]
-        assert streamed[i] == output.token_ids
-        if output.finish_reason == "error":  # its token of the failed update came, and nothing after it
-            assert "injected in the update" in output.error
-            assert output.token_ids == want[: len(output.token_ids)] and len(output.token_ids) == 3
-        else:
-            assert output.token_ids == want
-    assert {finals[i].finish_reason for i in ids} == {"error"}  # both gained a token in that update
+    assert [streamed[i] for i in ids] == [finals[i].token_ids for i in ids] == expected
+    assert {finals[i].finish_reason for i in ids} == {"length"}
     assert all_free(m)
-    monkeypatch.undo()
-    assert [r.token_ids for r in m.generate_many(prompts, max_new_tokens=5, do_sample=False)] == expected
 
 
 def test_a_failed_step_does_not_cost_another_caller_its_requests(model, monkeypatch):

@@ -135,6 +135,14 @@ class Request:
             if self.top_logprobs is not None:
                 self.top_logprobs.append(top_logprobs if top_logprobs is not None else {})
 
+    def pop_token(self) -> None:
+        """Undo the last ``append_token`` (an update that failed before stop-checking it: the token is sampled again)."""
+        self.all_token_ids.pop()
+        if self.logprobs is not None and len(self.logprobs) > len(self.all_token_ids) - self.num_prompt_tokens:
+            self.logprobs.pop()
+            if self.top_logprobs is not None:
+                self.top_logprobs.pop()
+
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "

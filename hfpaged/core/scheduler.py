@@ -355,7 +355,7 @@ class Scheduler(SequenceGroups):
                         self.kv.register_computed(request)
         advanced: list[Request] = []
         outputs: list[RequestOutput] = []
-        settled, forking = 0, []  # advanced requests whose stop checks have been applied; parents forking now
+        settled, cut = 0, None  # advanced requests stop-checked; the group forking or moving its beams (no undo)
         try:
             logprobs, top_logprobs, errors = result.logprobs, result.top_logprobs, result.errors
             for row, (request_id, token_id) in enumerate(zip(result.request_ids, result.token_ids)):
@@ -373,21 +373,22 @@ class Scheduler(SequenceGroups):
                 )
                 advanced.append(request)
                 if request.num_forks_pending:
-                    forking.append(request)
+                    cut = request.group
                     for fork in result.forks.get(request_id, ()):
                         advanced.append(self._fork(request, fork.sequence_index, fork.params, fork.sampled))
-                    request.num_forks_pending = 0
+                    request.num_forks_pending, cut = 0, None
             for beam_round in result.beam_rounds:
+                cut = getattr(self.requests.get(beam_round.root_id), "group", None)
                 outputs += self._advance_beams(beam_round)
+                cut = None
             for request, reason in zip(advanced, check_stops(advanced, self.interrupts)):
                 if reason is not None:
                     self.finish(request, reason)
                 settled += 1
             if self.position_table is not None:  # its next token past the table: stock raises IndexError there
                 outputs += finish_past_table(self, advanced, result.beam_rounds)
-        except BaseException as error:  # half way (an internal error): a token not stop-checked must not run unchecked
-            self.failed_outputs = outputs + self._fail_half_done(advanced, settled, forking, result.beam_rounds, error)
-            self.failed_outputs += step_outputs(advanced)
+        except BaseException as error:  # half way (an internal error): no token may go on unchecked
+            self.failed_outputs = outputs + self._fail_half_done(advanced, settled, cut, error)
             raise
         return outputs + step_outputs(advanced)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ..outputs import RequestOutput, progress_output, sequence_output
+from ..outputs import RequestOutput, final_output, progress_output, sequence_output, step_outputs
 from .request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -91,24 +91,29 @@ class SequenceGroups:
             self._forget(member)  # its tokens and table are another beam's now: the runner rebuilds its state
         return []
 
-    def _fail_half_done(self, advanced: list[Request], settled: int, forking: list[Request], beam_rounds: list, error):
-        """An update that failed half way: the requests whose new token was not stop-checked (``advanced[settled:]``)
-        fail with ``error``, and so does every sequence of a prompt that was forking or moving its beams in it
-        (neither has an undo); returns the outputs of the sequences ``advanced`` does not hold (a fork not yet
-        running, a beam search)."""
-        outputs = []
-        roots = [self.requests.get(r.root_id) for r in beam_rounds]
-        groups = {id(r.group): r.group for r in [*forking, *roots] if r is not None and r.group is not None}
+    def _fail_half_done(self, advanced: list[Request], settled: int, cut, error) -> list[RequestOutput]:
+        """An update that failed half way. Every sequence of the prompt whose fork or beam round the failure cut off
+        (``cut``: its group, or None; neither has an undo) fails with ``error``; the other requests whose new token was
+        not stop-checked yet (``advanced[settled:]``) give it back (sampled again when they are recomputed). Returns
+        the step's outputs (the tokens kept, the failed sequences, the sequences not forked yet, a beam search's)."""
+        members = set() if cut is None else {id(m) for m in cut.members}
         for request in advanced[settled:]:
-            if not request.is_finished:
-                self.finish(request, error)
-        for group in groups.values():
-            failed = [m for m in group.members if not m.is_finished]
-            for member in failed:
-                self.finish(member, error)
-                if group.beam_search is None and member not in advanced:
-                    outputs.append(progress_output(member, 0))
-            if group.beam_search is not None and failed:
-                group.beam_search.aborted = True
-                outputs.append(progress_output(group.members[0], 0))
-        return outputs
+            if id(request) not in members:
+                request.pop_token()
+        kept = [r for r in advanced[:settled] if id(r) not in members]
+        if cut is None:
+            return step_outputs(kept)
+        root, outputs = cut.members[0], []
+        if cut.beam_search is None:  # the samples not forked yet: made, to fail and report like the others
+            for index in range(len(cut.members), cut.num_sequences):
+                cut.add_member(f"{root.request_id}.{index}", root.params, index)
+        failed = [m for m in cut.members if not m.is_finished]
+        for member in failed:
+            self.finish(member, error)
+            if cut.beam_search is None:  # as step_outputs: a streamed sequence's new token (if any), else all of them
+                streamed = progress_output(member, int(member in advanced)) if member.stream_outputs else None
+                outputs.append(streamed or final_output(member))
+        if cut.beam_search is not None and failed:
+            cut.beam_search.aborted = True
+            outputs.append(progress_output(root, 0))
+        return step_outputs(kept) + outputs
