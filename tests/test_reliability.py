@@ -302,6 +302,15 @@ def test_an_interrupt_inside_a_preemption_loses_no_request(mode, monkeypatch):
     hfpaged.unpatch(m)
 
 
+def two_prompts_engine(async_scheduling):
+    """A llama, two prompts, stock greedy's 5 tokens for each, and an ``Engine`` handle on the patched model."""
+    m = make_model("llama", seed=0)
+    prompts = random_prompts([7, 9], seed=1)
+    expected = reference_generate(m, prompts, max_new_tokens=5, do_sample=False)
+    hfpaged.patch(m, num_blocks=64, block_size=4, async_scheduling=async_scheduling)
+    return m, prompts, expected, hfpaged.Engine(m)
+
+
 def ctrl_c_at(monkeypatch, owner, name, calls, times=1):
     """Wrap ``owner.name`` so that its ``calls``-th call first receives ``times`` real Ctrl-Cs (SIGINT, Python's
     default handler, as in a terminal), each landing at once inside that call."""
@@ -328,11 +337,7 @@ def test_a_ctrl_c_during_a_step_waits_for_the_step_and_its_delivery(where, async
     # reported. The first Ctrl-C now waits for the step and its delivery, then raises.
     from hfpaged.core import request, scheduler
 
-    m = make_model("llama", seed=0)
-    prompts = random_prompts([7, 9], seed=1)
-    expected = reference_generate(m, prompts, max_new_tokens=5, do_sample=False)
-    hfpaged.patch(m, num_blocks=64, block_size=4, async_scheduling=async_scheduling)
-    engine = hfpaged.Engine(m)
+    m, prompts, expected, engine = two_prompts_engine(async_scheduling)
     owner, name = {
         "check_stops": (scheduler, "check_stops"),
         "append_token": (request.Request, "append_token"),
@@ -360,11 +365,7 @@ def test_a_second_ctrl_c_stops_the_forward_at_once_and_waits_elsewhere(where, mo
     # step, in whichever caller ran it)
     from hfpaged.core import scheduler
 
-    m = make_model("llama", seed=0)
-    prompts = random_prompts([7, 9], seed=1)
-    expected = reference_generate(m, prompts, max_new_tokens=5, do_sample=False)
-    hfpaged.patch(m, num_blocks=64, block_size=4, async_scheduling=False)
-    engine = hfpaged.Engine(m)
+    m, prompts, expected, engine = two_prompts_engine(async_scheduling=False)
     owner, name = {
         "execute": (m._hfpaged.engine.runner, "execute"),
         "check_stops": (scheduler, "check_stops"),
@@ -515,11 +516,7 @@ def test_an_error_half_way_through_an_update_gives_back_the_unchecked_tokens(asy
     # way.)
     from hfpaged.core import scheduler
 
-    m = make_model("llama", seed=0)
-    prompts = random_prompts([7, 9], seed=1)
-    expected = reference_generate(m, prompts, max_new_tokens=5, do_sample=False)
-    hfpaged.patch(m, num_blocks=64, block_size=4, async_scheduling=async_scheduling)
-    engine = hfpaged.Engine(m)
+    m, prompts, expected, engine = two_prompts_engine(async_scheduling)
     real, calls = scheduler.check_stops, [0]
 
     def check_stops(requests, interrupts):
