@@ -484,6 +484,64 @@ def test_an_error_while_a_prompt_forks_or_moves_its_beams_fails_the_whole_prompt
     assert all_free(m)
 
 
+@pytest.mark.parametrize("finished", ["length", "beam-end", "past-table"])
+def test_an_error_right_after_an_update_finishes_a_request_reports_it_once(finished, monkeypatch):
+    # an interrupt (a program's own SIGINT handler) or error landing just after the update finished a request: a
+    # request finished at its length gave its last token back and never reported (its handle unfinished for ever);
+    # a beam search that ended in the update reported a stale "stop" or nothing; a beam search ended by the learned
+    # position table wedged the model. Now a finished request keeps its token and reports once, a beam search that
+    # ended without reporting reports the error, and the requests beside are recomputed, exact.
+    from hfpaged.core import scheduler
+
+    arch, beam_prompt_len = ("gpt2", 35) if finished == "past-table" else ("llama", 6)
+    m = make_model(arch, seed=0, **({"n_positions": 40} if finished == "past-table" else {}))
+    target_prompt, other_prompt = random_prompts([beam_prompt_len, 9], seed=1)
+    other_expected = reference_generate(m, [other_prompt], max_new_tokens=3, do_sample=False)[0]
+    hfpaged.patch(m, num_blocks=96, block_size=4, async_scheduling=False)
+    engine = hfpaged.Engine(m)
+    if finished == "length":
+        target_expected = reference_generate(m, [target_prompt], max_new_tokens=3, do_sample=False)[0]
+        target = engine.add_request(target_prompt, max_new_tokens=3, do_sample=False)
+    else:
+        beam = dict(max_new_tokens=8, do_sample=False, num_beams=2, num_return_sequences=2)
+        target = engine.add_request(
+            target_prompt, **beam, **({"early_stopping": True} if finished == "beam-end" else {})
+        )
+    other = engine.add_request(other_prompt, max_new_tokens=3, do_sample=False)
+    real, fired = scheduler.Scheduler.finish, []
+
+    def finish(self, request, reason, *args, **kwargs):
+        real(self, request, reason, *args, **kwargs)
+        if request.prompt_id == target and not fired and (finished != "beam-end" or reason == "stop"):
+            fired.append(reason)
+            raise KeyboardInterrupt("right after a finish")
+
+    monkeypatch.setattr(scheduler.Scheduler, "finish", finish)
+    finals, interrupts = {}, 0
+    for _ in range(60):
+        if not engine.has_unfinished():
+            break
+        try:
+            outputs = engine.step()
+        except KeyboardInterrupt:
+            interrupts += 1
+            continue
+        for output in outputs:
+            if output.finished:
+                finals.setdefault(output.prompt_id, []).append(output)
+    assert fired and interrupts == 1 and not engine.has_unfinished()
+    assert [o.token_ids for o in finals[other]] == [other_expected]
+    if finished == "length":
+        assert [(o.finish_reason, o.token_ids) for o in finals[target]] == [("length", target_expected)]
+    else:  # the search's one output: the error that cut it short
+        assert [o.finish_reason for o in finals[target]] == ["error"] and "right after a finish" in finals[target][
+            0
+        ].error
+    assert all_free(m)
+    monkeypatch.undo()
+    assert m.generate_many([other_prompt], max_new_tokens=3, do_sample=False)[0].token_ids == other_expected
+
+
 def test_a_sigint_handler_installed_during_a_step_stays(monkeypatch):
     # a stopping criterion (or a logits processor) that installs its own handler keeps it, as under stock generate;
     # the step's own handler is not what user code sees afterwards (before: the default handler was put back)

@@ -355,7 +355,7 @@ class Scheduler(SequenceGroups):
                         self.kv.register_computed(request)
         advanced: list[Request] = []
         outputs: list[RequestOutput] = []
-        settled, cut = 0, None  # advanced requests stop-checked; the group forking or moving its beams (no undo)
+        cut = None  # the group forking or moving its beams now (neither has an undo)
         try:
             logprobs, top_logprobs, errors = result.logprobs, result.top_logprobs, result.errors
             for row, (request_id, token_id) in enumerate(zip(result.request_ids, result.token_ids)):
@@ -384,11 +384,10 @@ class Scheduler(SequenceGroups):
             for request, reason in zip(advanced, check_stops(advanced, self.interrupts)):
                 if reason is not None:
                     self.finish(request, reason)
-                settled += 1
             if self.position_table is not None:  # its next token past the table: stock raises IndexError there
                 outputs += finish_past_table(self, advanced, result.beam_rounds)
         except BaseException as error:  # half way (an internal error): no token may go on unchecked
-            self.failed_outputs = outputs + self._fail_half_done(advanced, settled, cut, error)
+            self.failed_outputs = outputs + self._fail_half_done(advanced, cut, requests.values(), outputs, error)
             raise
         return outputs + step_outputs(advanced)
 

@@ -91,29 +91,35 @@ class SequenceGroups:
             self._forget(member)  # its tokens and table are another beam's now: the runner rebuilds its state
         return []
 
-    def _fail_half_done(self, advanced: list[Request], settled: int, cut, error) -> list[RequestOutput]:
-        """An update that failed half way. Every sequence of the prompt whose fork or beam round the failure cut off
-        (``cut``: its group, or None; neither has an undo) fails with ``error``; the other requests whose new token was
-        not stop-checked yet (``advanced[settled:]``) give it back (sampled again when they are recomputed). Returns
-        the step's outputs (the tokens kept, the failed sequences, the sequences not forked yet, a beam search's)."""
-        members = set() if cut is None else {id(m) for m in cut.members}
-        for request in advanced[settled:]:
-            if id(request) not in members:
+    def _fail_half_done(self, advanced: list[Request], cut, scheduled, reported: list, error) -> list[RequestOutput]:
+        """An update that failed half way. Every request of ``advanced`` that is not finished gives its new token back
+        (sampled again when it is recomputed; it may not have been stop- or table-checked); the finished ones keep it
+        and are reported. Every sequence of the prompt whose fork or beam round the failure cut off (``cut``: its
+        group, or None; neither has an undo) fails with ``error``, and so does a beam search of ``scheduled`` that
+        ended or began to end in the update without reporting it (``reported``: the outputs so far). Returns the
+        outputs still owed (the kept tokens, the failed sequences, samples not forked yet, a beam search's one)."""
+        beams = {id(r.group): r.group for r in scheduled if r.group is not None and r.group.beam_search is not None}
+        groups = {id(g): g for g in beams.values() if any(m.is_finished for m in g.members)}
+        groups.update({} if cut is None else {id(cut): cut})
+        prompt_ids = {o.prompt_id for o in reported}
+        groups = {k: g for k, g in groups.items() if g is cut or g.members[0].prompt_id not in prompt_ids}
+        members = {id(m) for g in groups.values() for m in g.members}
+        for request in advanced:
+            if id(request) not in members and not request.is_finished:
                 request.pop_token()
-        kept = [r for r in advanced[:settled] if id(r) not in members]
-        if cut is None:
-            return step_outputs(kept)
-        root, outputs = cut.members[0], []
-        if cut.beam_search is None:  # the samples not forked yet: made, to fail and report like the others
-            for index in range(len(cut.members), cut.num_sequences):
-                cut.add_member(f"{root.request_id}.{index}", root.params, index)
-        failed = [m for m in cut.members if not m.is_finished]
-        for member in failed:
-            self.finish(member, error)
-            if cut.beam_search is None:  # as step_outputs: a streamed sequence's new token (if any), else all of them
-                streamed = progress_output(member, int(member in advanced)) if member.stream_outputs else None
-                outputs.append(streamed or final_output(member))
-        if cut.beam_search is not None and failed:
-            cut.beam_search.aborted = True
-            outputs.append(progress_output(root, 0))
-        return step_outputs(kept) + outputs
+        outputs = step_outputs([r for r in advanced if r.is_finished and id(r) not in members])
+        for group in groups.values():
+            root = group.members[0]
+            if group.beam_search is None:  # the samples not forked yet: made, to fail and report like the others
+                for index in range(len(group.members), group.num_sequences):
+                    group.add_member(f"{root.request_id}.{index}", root.params, index)
+            for member in [m for m in group.members if not m.is_finished]:
+                self.finish(member, error)
+                if group.beam_search is None:  # as step_outputs: a streamed sequence's new token (if any), else all
+                    streamed = progress_output(member, int(member in advanced)) if member.stream_outputs else None
+                    outputs.append(streamed or final_output(member))
+            if group.beam_search is not None:  # one output, the search's error (its beams may have ended "stop")
+                group.beam_search.aborted = True
+                root.finish_reason, root.exception, root.error = "error", error, f"{type(error).__name__}: {error}"
+                outputs.append(progress_output(root, 0))
+        return outputs
