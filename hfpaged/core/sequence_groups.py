@@ -98,11 +98,14 @@ class SequenceGroups:
         group, or None; neither has an undo) fails with ``error``, and so does a beam search of ``scheduled`` that
         ended or began to end in the update without reporting it (``reported``: the outputs so far). Returns the
         outputs still owed (the kept tokens, the failed sequences, samples not forked yet, a beam search's one)."""
-        beams = {id(r.group): r.group for r in scheduled if r.group is not None and r.group.beam_search is not None}
-        groups = {id(g): g for g in beams.values() if any(m.is_finished for m in g.members)}
-        groups.update({} if cut is None else {id(cut): cut})
-        prompt_ids = {o.prompt_id for o in reported}
-        groups = {k: g for k, g in groups.items() if g is cut or g.members[0].prompt_id not in prompt_ids}
+        reported_ids = {output.prompt_id for output in reported}
+        groups = {} if cut is None else {id(cut): cut}
+        for request in scheduled:  # a beam search that ended, or began to end, here without reporting it
+            group = request.group
+            if group is None or group.beam_search is None or group.members[0].prompt_id in reported_ids:
+                continue
+            if any(member.is_finished for member in group.members):
+                groups[id(group)] = group
         members = {id(m) for g in groups.values() for m in g.members}
         for request in advanced:
             if id(request) not in members and not request.is_finished:
