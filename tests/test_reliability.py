@@ -174,24 +174,24 @@ class CriterionRaisingAt(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
-def run_engine(engine, watched):
-    """Step ``engine`` to the end, catching interrupts: (each watched prompt's streamed ids, its final ids,
-    the interrupts caught)."""
-    streamed, final, interrupts = {p: [] for p in watched}, {}, 0
+def run_engine(engine, watched, errors=(KeyboardInterrupt, SystemExit)):
+    """Step ``engine`` to the end, catching ``errors``: (each watched prompt's streamed ids, its finished outputs in
+    the order they came, the number of errors caught, the last of them)."""
+    streamed, final, caught, last = {p: [] for p in watched}, {p: [] for p in watched}, 0, None
     for _ in range(200):
         if not engine.has_unfinished():
             break
         try:
             outputs = engine.step()
-        except (KeyboardInterrupt, SystemExit):
-            interrupts += 1
+        except errors as error:
+            caught, last = caught + 1, error
             continue
         for output in outputs:
             if output.prompt_id in watched:
                 streamed[output.prompt_id] += output.new_token_ids
                 if output.finished:
-                    final.setdefault(output.prompt_id, {})[output.sequence_index] = output.token_ids
-    return streamed, final, interrupts
+                    final[output.prompt_id].append(output)
+    return streamed, final, caught, last
 
 
 @pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit], ids=["interrupt", "exit"])
@@ -214,10 +214,10 @@ def test_a_stopping_criterion_raising_an_interrupt_leaves_the_step_whole(when, a
     greedy_id = engine.add_request(greedy_prompt, max_new_tokens=4, do_sample=False)
     beam_id = engine.add_request(beam_prompt, **beam)
     engine.add_request(other, max_new_tokens=6, do_sample=False, stopping_criteria=[CriterionRaisingAt(when, error)])
-    streamed, final, interrupts = run_engine(engine, {greedy_id, beam_id})
+    streamed, final, interrupts, _ = run_engine(engine, {greedy_id, beam_id})
     assert interrupts == 1
-    assert streamed[greedy_id] == final[greedy_id][0] == expected
-    assert [final[beam_id][i] for i in sorted(final[beam_id])] == beams
+    assert [streamed[greedy_id]] == [o.token_ids for o in final[greedy_id]] == [expected]
+    assert [o.token_ids for o in sorted(final[beam_id], key=lambda o: o.sequence_index)] == beams
     assert all_free(m)
 
 
@@ -295,9 +295,9 @@ def test_an_interrupt_inside_a_preemption_loses_no_request(mode, monkeypatch):
 
     monkeypatch.setattr(kv, name, interrupted)
     ids = [engine.add_request(p, max_new_tokens=16, do_sample=False) for p in prompts]
-    _, final, interrupts = run_engine(engine, set(ids))
+    _, final, interrupts, _ = run_engine(engine, set(ids))
     assert fired and interrupts == 1
-    assert [final[i][0] for i in ids] == expected
+    assert [[o.token_ids for o in final[i]] for i in ids] == [[e] for e in expected]
     assert all_free(m)
     hfpaged.unpatch(m)
 
@@ -347,11 +347,11 @@ def test_a_ctrl_c_during_a_step_waits_for_the_step_and_its_delivery(where, async
     fired, previous = ctrl_c_at(monkeypatch, owner, name, calls={2, 5, 9})
     try:
         ids = [engine.add_request(p, max_new_tokens=5, do_sample=False) for p in prompts]
-        streamed, final, interrupts = run_engine(engine, set(ids))
+        streamed, final, interrupts, _ = run_engine(engine, set(ids))
     finally:
         signal.signal(signal.SIGINT, previous)
     assert fired and interrupts == len(fired)
-    assert [streamed[i] for i in ids] == [final[i][0] for i in ids] == expected
+    assert [[streamed[i]] for i in ids] == [[o.token_ids for o in final[i]] for i in ids] == [[e] for e in expected]
     assert all_free(m)
     hfpaged.unpatch(m)
 
@@ -385,12 +385,12 @@ def test_a_second_ctrl_c_stops_the_forward_at_once_and_waits_elsewhere(where, mo
     monkeypatch.setattr(owner, name, tracked)
     try:
         ids = [engine.add_request(p, max_new_tokens=5, do_sample=False) for p in prompts]
-        streamed, final, interrupts = run_engine(engine, set(ids))
+        streamed, final, interrupts, _ = run_engine(engine, set(ids))
     finally:
         signal.signal(signal.SIGINT, previous)
     assert fired == [3] and interrupts == 1
     assert (3 in completed) == (where != "execute")  # the forward stopped at once; the others completed
-    assert [streamed[i] for i in ids] == [final[i][0] for i in ids] == expected
+    assert [[streamed[i]] for i in ids] == [[o.token_ids for o in final[i]] for i in ids] == [[e] for e in expected]
     assert all_free(m)
     assert m.generate_many(prompts, max_new_tokens=2, do_sample=False)  # no interrupt held over
 
@@ -517,18 +517,7 @@ def test_an_error_right_after_an_update_finishes_a_request_reports_it_once(finis
             raise KeyboardInterrupt("right after a finish")
 
     monkeypatch.setattr(scheduler.Scheduler, "finish", finish)
-    finals, interrupts = {}, 0
-    for _ in range(60):
-        if not engine.has_unfinished():
-            break
-        try:
-            outputs = engine.step()
-        except KeyboardInterrupt:
-            interrupts += 1
-            continue
-        for output in outputs:
-            if output.finished:
-                finals.setdefault(output.prompt_id, []).append(output)
+    _, finals, interrupts, _ = run_engine(engine, {target, other})
     assert fired and interrupts == 1 and not engine.has_unfinished()
     assert [o.token_ids for o in finals[other]] == [other_expected]
     if finished == "length":
@@ -585,21 +574,10 @@ def test_an_error_half_way_through_an_update_gives_back_the_unchecked_tokens(asy
 
     monkeypatch.setattr(scheduler, "check_stops", check_stops)
     ids = [engine.add_request(p, max_new_tokens=5, do_sample=False) for p in prompts]
-    streamed, finals, failures = {i: [] for i in ids}, {}, 0
-    while engine.has_unfinished():
-        try:
-            outputs = engine.step()
-        except error as raised:
-            assert "injected in the update" in str(raised)
-            failures += 1
-            outputs = []
-        for output in outputs:
-            streamed[output.prompt_id] += output.new_token_ids
-            if output.finished:
-                finals[output.prompt_id] = output
-    assert failures == 1
-    assert [streamed[i] for i in ids] == [finals[i].token_ids for i in ids] == expected
-    assert {finals[i].finish_reason for i in ids} == {"length"}
+    streamed, finals, failures, raised = run_engine(engine, set(ids), errors=error)
+    assert failures == 1 and "injected in the update" in str(raised)
+    assert [[streamed[i]] for i in ids] == [[o.token_ids for o in finals[i]] for i in ids] == [[e] for e in expected]
+    assert {o.finish_reason for i in ids for o in finals[i]} == {"length"}
     assert all_free(m)
 
 
