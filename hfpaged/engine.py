@@ -63,7 +63,7 @@ class EngineCore:
         # step before the host launched the next one, i.e. it waited on the host (on the CPU: every step)
         self.num_ready_reads = 0
         self.undelivered: list[RequestOutput] = []  # outputs a failed step made before failing (step_for_clients)
-        self.guard: interrupts_deferred | None = None  # a step's Ctrl-C deferral (main thread, default handler)
+        self.guard: interrupts_deferred | None = None  # a step's Ctrl-C deferral (main thread)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, launch, and read back what is due: the step before (if it overlapped this one) or this one.
@@ -158,12 +158,16 @@ class EngineCore:
                 failed, outputs, self.undelivered = error, self.undelivered, []
             self.guard = outer_guard
             self._deliver(outputs)
-            pending = [*interrupts, *deferral.caught] if failed is None else []
+            pending = list(interrupts) if failed is None else []
             interrupts.clear()
-        if failed is not None:
-            raise failed
-        if pending:  # the step completed: nothing to recompute
-            raise pending[0]
+        # the program's own SIGINT handler hears of each signal held; the step's own error wins, then a criterion's
+        try:
+            deferral.release()
+        finally:
+            if failed is not None:
+                raise failed
+            if pending:  # the step completed: nothing to recompute
+                raise pending[0]
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         finished = []
@@ -182,11 +186,13 @@ class EngineCore:
             self.owners.pop(prompt_id, None)
 
     def abort(self, prompt_id: str) -> None:
-        """Stop every sequence of a prompt now and free its blocks (call with the lock held)."""
-        self.scheduler.abort(prompt_id)
-        self.owners.pop(prompt_id, None)
-        if not self.scheduler.has_unfinished():
-            self.in_flight = None  # its tokens belong to finished requests only
+        """Stop every sequence of a prompt now and free its blocks (call with the lock held; a Ctrl-C waits for it)."""
+        with interrupts_deferred() as deferral:
+            self.scheduler.abort(prompt_id)
+            self.owners.pop(prompt_id, None)
+            if not self.scheduler.has_unfinished():
+                self.in_flight = None  # its tokens belong to finished requests only
+        deferral.release()
 
     def abort_everything(self) -> None:
         """Finish every prompt with reason "abort" and tell its caller (call with the lock held; ``unpatch``): a
@@ -318,10 +324,13 @@ class Client:
 
     def abort(self, prompt_id: str) -> None:
         """Stop a prompt of this client (all its sequences), free its blocks, drop its undelivered outputs."""
-        if self.prompts.pop(prompt_id, None) is not None:
-            with self.core.lock:
+        if prompt_id not in self.prompts:
+            return
+        with self.core.lock, interrupts_deferred() as deferral:  # (a Ctrl-C waits for the abort)
+            if self.prompts.pop(prompt_id, None) is not None:
                 self.core.abort(prompt_id)
                 self.outbox = deque(output for output in self.outbox if output.prompt_id != prompt_id)
+        deferral.release()
 
     def abort_all(self) -> None:
         for prompt_id in list(self.prompts):

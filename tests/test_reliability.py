@@ -311,10 +311,10 @@ def two_prompts_engine(async_scheduling):
     return m, prompts, expected, hfpaged.Engine(m)
 
 
-def ctrl_c_at(monkeypatch, owner, name, calls, times=1):
+def ctrl_c_at(monkeypatch, owner, name, calls, times=1, handler=signal.default_int_handler):
     """Wrap ``owner.name`` so that its ``calls``-th call first receives ``times`` real Ctrl-Cs (SIGINT, Python's
-    default handler, as in a terminal), each landing at once inside that call."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    default handler as in a terminal, or ``handler``), each landing at once inside that call."""
+    previous = signal.signal(signal.SIGINT, handler)
     real, count, fired = getattr(owner, name), [0], []
 
     def wrapped(*args, **kwargs):
@@ -354,6 +354,132 @@ def test_a_ctrl_c_during_a_step_waits_for_the_step_and_its_delivery(where, async
     assert [[streamed[i]] for i in ids] == [[o.token_ids for o in final[i]] for i in ids] == [[e] for e in expected]
     assert all_free(m)
     hfpaged.unpatch(m)
+
+
+def _raising_handler(signum, frame):
+    raise KeyboardInterrupt("the program's own handler")
+
+
+@pytest.mark.parametrize("where", ["append_token", "finish", "free", "deliver"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_programs_own_sigint_handler_is_called_once_the_step_is_whole(where, async_scheduling, monkeypatch):
+    # a SIGINT handler of the program's own that raises KeyboardInterrupt struck at any bytecode of the step: between
+    # a request leaving the scheduler's table and its status change (its handle unfinished for ever), inside the
+    # block accounting (blocks leaked, or freed twice by the recovery: "freed more often than it was referenced"),
+    # after a token was appended but before its stop check (one token past max_new_tokens), or with finished
+    # outputs in locals only (lost). Now its signals are held like a Ctrl-C and the handler runs once the step's
+    # outputs are out: one KeyboardInterrupt per signal, exact tokens, the pool free.
+    from hfpaged.core import block_pool, request, scheduler
+
+    m, prompts, expected, engine = two_prompts_engine(async_scheduling)
+    owner, name = {
+        "append_token": (request.Request, "append_token"),
+        "finish": (scheduler.Scheduler, "finish"),
+        "free": (block_pool.BlockPool, "free"),
+        "deliver": (type(engine.core), "_deliver"),
+    }[where]
+    fired, previous = ctrl_c_at(monkeypatch, owner, name, calls={1, 3, 6}, handler=_raising_handler)
+    try:
+        ids = [engine.add_request(p, max_new_tokens=5, do_sample=False) for p in prompts]
+        streamed, final, interrupts, last = run_engine(engine, set(ids))
+        assert signal.getsignal(signal.SIGINT) is _raising_handler  # put back after every step
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert fired and interrupts == len(fired) and "own handler" in str(last)
+    assert [[streamed[i]] for i in ids] == [[o.token_ids for o in final[i]] for i in ids] == [[e] for e in expected]
+    assert all_free(m)
+    hfpaged.unpatch(m)
+
+
+def test_a_programs_own_sigint_handler_hears_of_each_signal_after_the_step(monkeypatch):
+    # a handler that does not raise (a server's: it sets a flag) is called once per signal, after the step
+    from hfpaged.core import scheduler
+
+    m, prompts, expected, engine = two_prompts_engine(async_scheduling=False)
+    heard = []
+
+    def records(signum, frame):
+        heard.append((signum, scheduler_calls[0]))
+
+    scheduler_calls = [0]
+    real = scheduler.check_stops
+
+    def counting(*args, **kwargs):
+        scheduler_calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler, "check_stops", counting)
+    fired, previous = ctrl_c_at(monkeypatch, scheduler, "check_stops", calls={2}, times=2, handler=records)
+    try:
+        ids = [engine.add_request(p, max_new_tokens=5, do_sample=False) for p in prompts]
+        streamed, final, interrupts, _ = run_engine(engine, set(ids))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert fired == [2] and interrupts == 0
+    assert [signum for signum, _ in heard] == [signal.SIGINT] * 2
+    assert {calls for _, calls in heard} == {2}  # both after the step's check_stops ran, none inside it
+    assert [[streamed[i]] for i in ids] == [[e] for e in expected]
+    assert all_free(m)
+
+
+@pytest.mark.parametrize("where", ["pool-free", "table-pop"])
+def test_an_error_inside_a_finish_neither_frees_twice_nor_loses_the_request(where, monkeypatch):
+    # an internal error inside Scheduler.finish: after the pool freed a request's blocks but before the manager
+    # forgot them, the recovery freed them again ("block freed more often than it was referenced", raised from the
+    # recovery itself); after the request left the scheduler's table but before its status changed, no queue and
+    # no table held it (its handle unfinished for ever). Now both leave a request the recovery finishes or requeues.
+    from hfpaged.core import block_pool
+
+    m, prompts, expected, engine = two_prompts_engine(async_scheduling=False)
+    fired = []
+    if where == "pool-free":
+        real = block_pool.BlockPool.free
+
+        def free(self, blocks):
+            real(self, blocks)
+            if not fired:
+                fired.append(list(blocks))
+                raise RuntimeError("injected after the pool freed the blocks")
+
+        monkeypatch.setattr(block_pool.BlockPool, "free", free)
+    else:
+
+        class PopFails(dict):
+            def pop(self, key, *default):
+                value = super().pop(key, *default)
+                if not fired:
+                    fired.append(key)
+                    raise RuntimeError("injected after the request left the table")
+                return value
+
+        engine.core.scheduler.requests = PopFails(engine.core.scheduler.requests)
+    ids = [engine.add_request(p, max_new_tokens=5, do_sample=False) for p in prompts]
+    streamed, final, errors, last = run_engine(engine, set(ids), errors=(RuntimeError,))
+    assert fired and errors == 1 and "injected" in str(last)
+    assert [[streamed[i]] for i in ids] == [[o.token_ids for o in final[i]] for i in ids] == [[e] for e in expected]
+    assert not engine.has_unfinished() and all_free(m)
+
+
+def test_a_ctrl_c_while_an_abort_frees_the_blocks_waits_for_the_abort(monkeypatch):
+    # an abort (Engine.abort, a stream closed early, a server's disconnect) runs outside any step: a Ctrl-C inside
+    # its block accounting left a request in the scheduler's table in no queue, its blocks leaked for good (stats
+    # showed nothing running; sleep refused). Now the abort completes, then the Ctrl-C raises.
+    from hfpaged.core import block_pool
+
+    m, prompts, expected, engine = two_prompts_engine(async_scheduling=False)
+    ids = [engine.add_request(p, max_new_tokens=5, do_sample=False) for p in prompts]
+    engine.step()
+    fired, previous = ctrl_c_at(monkeypatch, block_pool.BlockPool, "free", calls={1})
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.abort(ids[0])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert fired == [1]
+    streamed, final, _, _ = run_engine(engine, {ids[1]})
+    assert [o.token_ids for o in final[ids[1]]] == [expected[1]]
+    assert not engine.has_unfinished() and all_free(m)
+    hfpaged.sleep(m)  # nothing left running
 
 
 @pytest.mark.parametrize("where", ["execute", "check_stops", "deliver"])

@@ -10,12 +10,16 @@ import threading
 
 class interrupts_deferred:
     """Inside the block a Ctrl-C (SIGINT under Python's default handler) is held in ``caught`` as a
-    ``KeyboardInterrupt`` for the caller to raise after the block; inside ``escapable`` parts a second one raises
-    at once. Only the main thread receives signals: elsewhere, or where the program has a SIGINT handler of its own
-    (a server's), nothing changes. A handler the block's code installs is left in place."""
+    ``KeyboardInterrupt`` for the caller to raise after the block (``release``); inside ``escapable`` parts a second
+    one raises at once. Where the program has a SIGINT handler of its own (a Python function: a server's, or one
+    that raises ``KeyboardInterrupt`` itself), each SIGINT is held and that handler called by ``release`` (a second
+    one inside ``escapable`` parts calls it at once). Only the main thread receives signals: elsewhere nothing
+    changes. A handler the block's code installs is left in place."""
 
     def __init__(self) -> None:
         self.caught: list[KeyboardInterrupt] = []
+        self.own_handler = None  # the program's own SIGINT handler, called for each held signal by ``release``
+        self.held: list[tuple] = []  # (signum, frame) of each SIGINT held for ``own_handler``
         self.escape = False  # raise at a second Ctrl-C (set by ``escapable``; never inside __enter__ / __exit__)
         self.handler = self._hold  # (one bound method: what __exit__ compares the installed handler with)
         self.installed = False
@@ -31,7 +35,9 @@ class interrupts_deferred:
             # a call made inside another step (a logits processor or criterion generating with a model): the outer
             # step holds its Ctrl-Cs, and none may escape half way through this step's bookkeeping
             self.outer, self.outer_escape, outer.escape = outer, outer.escape, False
-        elif current is signal.default_int_handler:
+        elif current is signal.default_int_handler or callable(current):
+            if current is not signal.default_int_handler:
+                self.own_handler = current
             self.installed = True
             _signal.signal(signal.SIGINT, self.handler)
         return self
@@ -41,13 +47,27 @@ class interrupts_deferred:
         if self.outer is not None:
             self.outer.escape, self.outer = self.outer_escape, None
         if self.installed and _signal.getsignal(signal.SIGINT) is self.handler:
-            _signal.signal(signal.SIGINT, signal.default_int_handler)
+            _signal.signal(signal.SIGINT, self.own_handler or signal.default_int_handler)
         self.installed = False
 
     def _hold(self, signum, frame) -> None:
+        if self.own_handler is not None:
+            if self.held and self.escape:
+                self.own_handler(signum, frame)  # may raise: the step recovers, as from a second Ctrl-C
+            else:
+                self.held.append((signum, frame))
+            return
         if self.caught and self.escape:
             raise KeyboardInterrupt
         self.caught.append(KeyboardInterrupt())
+
+    def release(self) -> None:
+        """After the block: call the program's own handler for each signal held, then raise a held Ctrl-C."""
+        held, self.held = self.held, []
+        for signum, frame in held:
+            self.own_handler(signum, frame)
+        if self.caught:
+            raise self.caught.pop(0)
 
 
 class escapable:

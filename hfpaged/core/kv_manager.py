@@ -134,9 +134,9 @@ class KVManager:
         """Release the request's GPU and CPU blocks (its hashes too, unless it will be recomputed)."""
         rid = request.request_id
         blocks = self._cancel_copies(rid)
+        self._blocks.pop(rid, None)  # first: a failure inside pool.free leaks, rather than the recovery freeing twice
         if blocks:
             self.pool.free(blocks)
-        self._blocks.pop(rid, None)
         cpu = self._cpu_blocks.pop(rid, None)
         if cpu:
             self.cpu_pool.free(cpu)

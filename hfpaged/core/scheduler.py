@@ -103,13 +103,13 @@ class Scheduler(SequenceGroups):
         if request.status is not RequestStatus.FINISHED:
             self.kv.free(request)
             self._forget(request)
-        self.requests.pop(request.request_id, None)
-        request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.error = error
         request.finish_time = time.perf_counter()
         request.num_output_placeholders = 0  # a token still in flight is dropped
         request.num_forks_pending = 0  # a prompt that ends before its first sample forks nothing
+        request.status = RequestStatus.FINISHED
+        self.requests.pop(request.request_id, None)  # last: a failure before it leaves the request to reset()
 
     def abort(self, request_id: str) -> list[Request]:
         """Finish every sequence of the prompt of ``request_id`` with reason "abort"; returns them."""
@@ -130,9 +130,12 @@ class Scheduler(SequenceGroups):
         released. Tokens sampled by steps whose results were never read are sampled again.
         """
         requeued = self.running + list(self.swapped)
-        # and any unfinished request the failure caught between queues (a preemption interrupted mid-way)
+        # and any unfinished request the failure caught between queues (a preemption interrupted mid-way); a
+        # finished one it caught before leaving the table leaves it now
         queued = {id(request) for request in (*requeued, *self.waiting)}
         requeued += [r for r in self.requests.values() if not r.is_finished and id(r) not in queued]
+        for request_id in [rid for rid, r in self.requests.items() if r.is_finished]:
+            del self.requests[request_id]
         self.running = []
         self.swapped.clear()
         for request in requeued + list(self.waiting):

@@ -291,7 +291,10 @@ class EngineLoop:
             try:
                 engine.add_requests(*args, [s.request_id for _, s in submissions])
                 break
-            except RuntimeError:  # re-patched since the line above (the handle went stale): once more, on the new one
+            except (
+                RuntimeError,
+                ReferenceError,
+            ):  # re-patched since the line above (a stale handle): once more, on the new one
                 current = self._current_engine()
                 if attempt or current is None or current is engine.core:
                     raise
