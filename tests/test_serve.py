@@ -1175,6 +1175,51 @@ def test_an_unpatch_while_serving_leaves_the_engine_loop_idle_and_alive(tokenize
         loop.thread.join(10)
 
 
+def test_a_request_meeting_a_re_patch_inside_its_checks_runs_on_the_new_engine(tokenizer, monkeypatch):
+    # a re-patch (another thread) landing while add_requests checks the request (inside check_weights) left the
+    # handle's state gone: a ReferenceError, which the loop's retry (RuntimeError only) let through as a 500
+    import queue
+    import threading
+
+    import torch
+
+    import hfpaged.engine as engine_module
+    from hfpaged.serve.engine_loop import EngineLoop
+    from hfpaged.serve.messages import Added, AddRequests, StepOutputs, Submission
+
+    m = make_model("llama", vocab_size=len(tokenizer), seed=3)
+    prompt, settings = [5, 6, 7, 8], dict(max_new_tokens=4, do_sample=False, suppress_tokens=[2])
+    expected = m.generate(torch.tensor([prompt]), **settings)[0, 4:].tolist()
+    hfpaged.patch(m, num_blocks=64, block_size=4, tokenizer=tokenizer)
+    loop, inbox = EngineLoop(m, tokenizer), queue.SimpleQueue()
+    loop.sends, loop.open_sources = [inbox.put], {0}  # stepped from this thread (no engine thread)
+    real, fired = engine_module.refresh_length_limit, []
+
+    def refresh(model, state):
+        if not fired:
+            fired.append(1)
+            thread = threading.Thread(target=hfpaged.patch, args=(m,), kwargs=dict(num_blocks=48, block_size=8))
+            thread.start()
+            thread.join()
+        return real(model, state)
+
+    monkeypatch.setattr(engine_module, "refresh_length_limit", refresh)
+    loop._add([(0, AddRequests(1, [Submission("A", prompt, settings, 1)]))])
+    monkeypatch.undo()
+    messages = []
+    for _ in range(20):
+        if not loop.engine.has_unfinished():
+            break
+        loop._step()
+    while not inbox.empty():
+        messages.append(inbox.get())
+    added = [x for x in messages if isinstance(x, Added)]
+    assert fired and len(added) == 1 and added[0].error is None
+    tokens = [t for x in messages if isinstance(x, StepOutputs) and "A" in x.prompt_ids
+              for t in x.new_token_ids[x.prompt_ids.index("A")]]  # fmt: skip
+    assert tokens == expected
+
+
 def test_a_request_holding_the_pad_token_id_is_served_with_every_token_attended(tokenizer):
     # generate_many refuses such a prompt unless told (generate would mask those positions without a mask); an HTTP
     # client cannot give a mask: the server attends every token, as an all-ones attention_mask does
