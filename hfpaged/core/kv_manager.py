@@ -130,6 +130,18 @@ class KVManager:
         self._changed_from[rid] = min(self._changed_from.get(rid, changed), changed)
         return True
 
+    def room_check(self):
+        """``has_room(request, start, end)``: True when ``allocate(request, end)`` would change nothing (its blocks
+        hold positions up to ``end`` and the one written at ``start`` (its ``num_computed_tokens``, < ``end``) is
+        its own): the usual decode, checked without allocate's call (~0.8 us a request, 256 a step)."""
+        blocks_of, block_size, ref_counts = self._blocks, self.block_size, self.pool.ref_counts
+
+        def has_room(request: Request, start: int, end: int) -> bool:
+            blocks = blocks_of.get(request.request_id)
+            return bool(blocks) and end <= len(blocks) * block_size and ref_counts[blocks[start // block_size]] <= 1
+
+        return has_room
+
     def free(self, request: Request, keep_hashes: bool = False) -> None:
         """Release the request's GPU and CPU blocks (its hashes too, unless it will be recomputed)."""
         rid = request.request_id

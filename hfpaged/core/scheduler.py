@@ -259,6 +259,7 @@ class Scheduler(SequenceGroups):
             elif behind > 1:
                 prefills.append((r, num_tokens))
         allocate, running = self.kv.allocate, RequestStatus.RUNNING
+        has_room = self.kv.room_check()
         for request, num_tokens in decodes + prefills:
             if budget == 0:
                 break
@@ -266,7 +267,7 @@ class Scheduler(SequenceGroups):
                 continue  # preempted earlier in this step
             start = request.num_computed_tokens
             num_new = min(num_tokens - start, budget)
-            while not allocate(request, start + num_new):
+            while not (has_room(request, start, start + num_new) or allocate(request, start + num_new)):
                 for victim in self._preempt(self.running[-1], out):
                     undone = scheduled.pop(victim.request_id, None)
                     if undone is not None:  # give back what the victim was granted this step

@@ -123,11 +123,13 @@ def _same_state(snapshot: tuple, model: Any, generation_config: GenerationConfig
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equal and of the same types throughout (an edit of ``early_stopping`` from 1 to True is a change)."""
+    """Equal and of the same types throughout (an edit of ``early_stopping`` from 1 to True is a change). A value
+    that is the snapshot's own object is the same (deepcopy shares only what it cannot copy: immutable values, or
+    objects whose ``__deepcopy__`` returns them, which compare equal to themselves): no walk over it."""
     if type(a) is not type(b):
         return False
     if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(v, b[k]) for k, v in a.items())
+        return a.keys() == b.keys() and all(v is b[k] or _same(v, b[k]) for k, v in a.items())
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(x is y or _same(x, y) for x, y in zip(a, b))
     return bool(a == b)
