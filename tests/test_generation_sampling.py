@@ -3,7 +3,7 @@ different seeds differ, and first tokens follow the distribution of transformers
 
 import pytest
 import torch
-from models import make_model, random_prompts
+from models import make_model, random_prompts, reference_generate
 from scipy import stats
 from transformers.generation import logits_process as lp
 
@@ -105,3 +105,15 @@ def test_first_tokens_follow_transformers_distribution(settings, processors):
     assert stats.chisquare(counts[allowed].numpy(), expected.numpy()).pvalue > 1e-4
     assert 0.5 * (counts / num - probs).abs().sum() < 0.06
     assert hfpaged.stats(m)["num_free_blocks"] == hfpaged.stats(m)["num_blocks"]
+
+
+def test_top_p_zero_keeps_the_top_token_as_stock_generate_does(model):
+    # transformers' TopPLogitsWarper takes top_p in [0, 1]: 0 keeps the top token only, so stock generate samples
+    # its greedy tokens; generate_many refused it ("top_p must be in (0, 1]")
+    prompt = [5, 6, 7]
+    with torch.no_grad():
+        stock = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=True, top_p=0.0, pad_token_id=0)
+    greedy = reference_generate(model, [prompt], max_new_tokens=6, do_sample=False)[0]
+    assert stock[0, 3:].tolist() == greedy
+    got = model.generate_many([prompt], max_new_tokens=6, do_sample=True, top_p=0.0, seed=0)[0].token_ids
+    assert got == greedy

@@ -188,8 +188,9 @@ def _check_supported(config: GenerationConfig) -> None:
                 f"temperature must be a number > 0 when do_sample=True, got {config.temperature!r} "
                 "(for greedy decoding set do_sample=False)"
             )
-        if config.top_p is not None and not (_is_finite(config.top_p) and 0.0 < config.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {config.top_p!r}")
+        # top_p 0 keeps the top token only, as transformers' TopPLogitsWarper does (it accepts [0, 1])
+        if config.top_p is not None and not (_is_finite(config.top_p) and 0.0 <= config.top_p <= 1.0):
+            raise ValueError(f"top_p must be in [0, 1], got {config.top_p!r}")
         if config.top_k is not None and (not isinstance(config.top_k, int) or config.top_k < 0):
             raise ValueError(f"top_k must be a non-negative int, got {config.top_k!r}")
         if config.min_p is not None and not (_is_finite(config.min_p) and 0.0 <= config.min_p <= 1.0):
