@@ -18,7 +18,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from .core.config import out_of_memory_message
-from .core.interrupts import escapable, interrupts_deferred
+from .core.interrupts import escapable, interrupts_deferred, raise_after_step, signals_held
 from .core.kv_manager import KVManager
 from .core.request import Request, is_prompt_finished
 from .core.scheduler import Scheduler
@@ -147,7 +147,7 @@ class EngineCore:
     def step_for_clients(self) -> None:
         """Run one step and hand every output to the client that owns its prompt (call with the lock held); a failed
         step's outputs made before the failure too. A Ctrl-C, and a user's criterion's non-``Exception``, raise once
-        they are out (``core/interrupts.py``; the step's own error wins)."""
+        they are out (``core/interrupts.py``; a step's own error wins, except a held Ctrl-C over an ``Exception``)."""
         self.reap_orphans()
         interrupts, failed, outer_guard = self.scheduler.interrupts, None, self.guard  # (outer: a re-entrant call)
         with interrupts_deferred() as deferral:
@@ -160,14 +160,7 @@ class EngineCore:
             self._deliver(outputs)
             pending = list(interrupts) if failed is None else []
             interrupts.clear()
-        # the program's own SIGINT handler hears of each signal held; the step's own error wins, then a criterion's
-        try:
-            deferral.release()
-        finally:
-            if failed is not None:
-                raise failed
-            if pending:  # the step completed: nothing to recompute
-                raise pending[0]
+        raise_after_step(deferral, failed, pending)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         finished = []
@@ -187,12 +180,11 @@ class EngineCore:
 
     def abort(self, prompt_id: str) -> None:
         """Stop every sequence of a prompt now and free its blocks (call with the lock held; a Ctrl-C waits for it)."""
-        with interrupts_deferred() as deferral:
+        with signals_held():
             self.scheduler.abort(prompt_id)
             self.owners.pop(prompt_id, None)
             if not self.scheduler.has_unfinished():
                 self.in_flight = None  # its tokens belong to finished requests only
-        deferral.release()
 
     def abort_everything(self) -> None:
         """Finish every prompt with reason "abort" and tell its caller (call with the lock held; ``unpatch``): a
@@ -326,11 +318,10 @@ class Client:
         """Stop a prompt of this client (all its sequences), free its blocks, drop its undelivered outputs."""
         if prompt_id not in self.prompts:
             return
-        with self.core.lock, interrupts_deferred() as deferral:  # (a Ctrl-C waits for the abort)
+        with self.core.lock, signals_held():  # (a Ctrl-C waits for the abort)
             if self.prompts.pop(prompt_id, None) is not None:
                 self.core.abort(prompt_id)
                 self.outbox = deque(output for output in self.outbox if output.prompt_id != prompt_id)
-        deferral.release()
 
     def abort_all(self) -> None:
         for prompt_id in list(self.prompts):

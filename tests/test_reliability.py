@@ -3,6 +3,7 @@ change after ``patch``, swap-space sizing, freeing on ``del model``, and every m
 
 import gc
 import signal
+import sys
 import warnings
 import weakref
 
@@ -458,6 +459,90 @@ def test_an_error_inside_a_finish_neither_frees_twice_nor_loses_the_request(wher
     assert fired and errors == 1 and "injected" in str(last)
     assert [[streamed[i]] for i in ids] == [[o.token_ids for o in final[i]] for i in ids] == [[e] for e in expected]
     assert not engine.has_unfinished() and all_free(m)
+
+
+def test_a_second_ctrl_c_under_asyncio_run_stops_a_later_forward_at_once(monkeypatch):
+    # asyncio.run (3.11+) installs its own SIGINT handler: the first Ctrl-C cancels the main task, the second raises.
+    # With the program's handler held per step, the second press, landing in a later step's forward, waited for that
+    # step (a long forward: its whole length); it raises at once there now, as a second Ctrl-C does
+    import asyncio
+
+    m = make_model("llama", seed=0)
+    hfpaged.patch(m, num_blocks=64, block_size=4)
+    calls, completed = [0], []
+
+    class LongForward(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            calls[0] += 1
+            if calls[0] in (2, 4):
+                signal.raise_signal(signal.SIGINT)  # the first press (call 2), the second (call 4)
+            completed.append(calls[0])  # (what follows the signal in the same call)
+            return scores
+
+    async def main():
+        m.generate_many(
+            random_prompts([7], seed=1), max_new_tokens=8, do_sample=False, logits_processor=[LongForward()]
+        )
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            asyncio.run(main())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert 2 in completed and 4 not in completed  # the first press waited for its step; the second stopped it
+    assert all_free(m)
+
+
+def test_a_falsy_sigint_handler_of_the_programs_own_stays_installed():
+    m = make_model("llama", seed=0)
+    hfpaged.patch(m, num_blocks=32, block_size=4)
+
+    class Collects(list):  # empty, so falsy
+        def __call__(self, signum, frame):
+            self.append(signum)
+
+    mine = Collects()
+    previous = signal.signal(signal.SIGINT, mine)
+    try:
+        m.generate_many(random_prompts([5], seed=2), max_new_tokens=3)
+        assert signal.getsignal(signal.SIGINT) is mine
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.parametrize("handler", ["exits", "default"])
+def test_a_stop_asked_by_a_held_signal_wins_over_the_steps_error(handler, monkeypatch):
+    # a Ctrl-C (or a handler's sys.exit) held during a step that then fails with an internal error: the error came
+    # out and the request to stop was only its __context__ (a program catching Exception went on). Now the
+    # KeyboardInterrupt / SystemExit comes out, from the error; the pool is free and the model usable
+    m = make_model("llama", seed=0)
+    prompts = random_prompts([7], seed=1)
+    expected = reference_generate(m, prompts, max_new_tokens=6, do_sample=False)
+    hfpaged.patch(m, num_blocks=64, block_size=4)
+    real_step, calls = hfpaged.engine.EngineCore.step, [0]
+
+    def step(self):
+        calls[0] += 1
+        if calls[0] == 3:
+            signal.raise_signal(signal.SIGINT)  # held: the step is running
+            raise RuntimeError("internal step error")
+        return real_step(self)
+
+    def exits(signum, frame):
+        sys.exit("exit requested by Ctrl-C")
+
+    monkeypatch.setattr(hfpaged.engine.EngineCore, "step", step)
+    previous = signal.signal(signal.SIGINT, exits if handler == "exits" else signal.default_int_handler)
+    try:
+        with pytest.raises(SystemExit if handler == "exits" else KeyboardInterrupt) as caught:
+            m.generate_many(prompts, max_new_tokens=6, do_sample=False)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    monkeypatch.undo()
+    assert all_free(m)
+    assert [r.token_ids for r in m.generate_many(prompts, max_new_tokens=6, do_sample=False)] == expected
 
 
 def test_a_ctrl_c_while_an_abort_frees_the_blocks_waits_for_the_abort(monkeypatch):

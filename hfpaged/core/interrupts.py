@@ -4,8 +4,11 @@ waits for the step. Only where the step may wait for long (the model's forward, 
 processors: ``escapable``) does a second Ctrl-C raise at once; the recovery of a failed step handles that."""
 
 import _signal  # signal.signal is this plus an enum conversion of its result: ~10 us a call, this ~0.3 us
+import contextlib
 import signal
 import threading
+
+_heard = [None]  # the program's own SIGINT handler that last heard a held signal (see _hold)
 
 
 class interrupts_deferred:
@@ -47,13 +50,16 @@ class interrupts_deferred:
         if self.outer is not None:
             self.outer.escape, self.outer = self.outer_escape, None
         if self.installed and _signal.getsignal(signal.SIGINT) is self.handler:
-            _signal.signal(signal.SIGINT, self.own_handler or signal.default_int_handler)
+            _signal.signal(signal.SIGINT, signal.default_int_handler if self.own_handler is None else self.own_handler)
         self.installed = False
 
     def _hold(self, signum, frame) -> None:
         if self.own_handler is not None:
-            if self.held and self.escape:
-                self.own_handler(signum, frame)  # may raise: the step recovers, as from a second Ctrl-C
+            # a second signal (in this step, or after the handler heard one in an earlier step without stopping the
+            # program: asyncio's cancels its task at the first, raises at the second) calls it at once where the
+            # step may wait for long; it may raise: the step recovers, as from a second Ctrl-C
+            if self.escape and (self.held or self.own_handler is _heard[0]):
+                self.own_handler(signum, frame)
             else:
                 self.held.append((signum, frame))
             return
@@ -65,6 +71,7 @@ class interrupts_deferred:
         """After the block: call the program's own handler for each signal held, then raise a held Ctrl-C."""
         held, self.held = self.held, []
         for signum, frame in held:
+            _heard[0] = self.own_handler
             self.own_handler(signum, frame)
         if self.caught:
             raise self.caught.pop(0)
@@ -83,3 +90,33 @@ class escapable:
     def __exit__(self, *exc_info) -> None:
         if self.guard is not None:
             self.guard.escape = False
+
+
+@contextlib.contextmanager
+def signals_held():
+    """SIGINTs held until the block is done (an abort: its block accounting must not stop half way), then raised
+    (a Ctrl-C) or handed to the program's own handler."""
+    deferral = interrupts_deferred()
+    with deferral:
+        yield
+    deferral.release()
+
+
+def raise_after_step(deferral: interrupts_deferred, failed: BaseException | None, pending: list) -> None:
+    """After a step and its delivery: the program's own handler hears of each signal held (``release``); then the
+    step's own error ``failed`` is raised, unless it is an ``Exception`` and a held signal asked to stop (a
+    ``KeyboardInterrupt``, a handler's ``SystemExit``): that is raised, from it; then the first of ``pending`` (a
+    criterion's interrupt: the step completed, nothing to recompute); then a held Ctrl-C."""
+    heard = None
+    try:
+        deferral.release()
+    except BaseException as error:
+        heard = error
+    if failed is not None:
+        if heard is not None and not isinstance(heard, Exception) and isinstance(failed, Exception):
+            raise heard from failed
+        raise failed
+    if pending:
+        raise pending[0]
+    if heard is not None:
+        raise heard
