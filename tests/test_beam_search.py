@@ -264,3 +264,15 @@ def test_beam_settings_that_cannot_run_raise_clearly(kwargs, message):
     with pytest.raises(ValueError, match="num_beams > 1"):
         next(model.stream_many([[5, 6, 7]], num_beams=2, max_new_tokens=4))
     assert all_free(model)
+
+
+def test_a_beam_search_cut_by_max_time_reports_time():
+    # greedy and sampled requests cut by max_time report "time"; a beam search reported "stop"
+    m = make_model("llama", max_position_embeddings=4096)
+    hfpaged.patch(m, num_blocks=400, block_size=16)
+    prompts = random_prompts([5], seed=3)
+    result = m.generate_many(prompts, max_new_tokens=2000, max_time=0.2, num_beams=2, eos_token_id=None)[0]
+    assert len(result.token_ids) < 2000
+    assert result.finish_reason == "time" and {s.finish_reason for s in result.sequences} == {"time"}
+    stats = hfpaged.stats(m)
+    assert stats["num_free_blocks"] == stats["num_blocks"]

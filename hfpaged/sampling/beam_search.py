@@ -20,6 +20,7 @@ draw uses the request's seed and the round (a seeded generator state, restored a
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,7 @@ class BeamSearch:
         self.eos_token_ids = params.eos_token_ids
         self.processors = params.beam_processors
         self.stopping_criteria = params.stop.all_criteria
+        self.max_time = params.stop.max_time  # (a MaxTimeCriteria: a search it ends reports "time")
         self.seed = params.seed
         self.steps = hf_compat.BeamSearchSteps(model)
         self.prompt_len = self.cur_len = len(prompt_token_ids)
@@ -254,6 +256,9 @@ class BeamSearch:
             return "stop"
         if self.prompt_len + len(generated) >= self.max_length:
             return "length"
+        max_time = self.max_time
+        if max_time is not None and time.time() - max_time.initial_timestamp > max_time.max_time:
+            return "time"  # as a greedy or sampled request cut by max_time reports
         return "stop"
 
 
