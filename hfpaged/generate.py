@@ -127,6 +127,8 @@ def generate_many(
             f"streamer= works with exactly one prompt, got {len(requests)}; use model.stream_many() to stream many"
         )
     if not requests:
+        if client.core.state.tp is not None:
+            client.submit(requests)  # tensor parallel: an empty call is compared with the other ranks' calls too
         return []
     if streamer is None and not progress:  # nothing reads the steps' outputs: the finished requests' only
         for request in requests:

@@ -17,6 +17,7 @@ from .engine import EngineCore, engine_of
 from .generate import generate_many
 from .model.attach import attach, check_options, detach, get_state
 from .model.peft_compat import check_peft_model, inner_model
+from .model.tensor_parallel import check_same_options
 from .model.weights_version import placement, rewired_message
 from .prompts import check_tokenizer
 from .streaming import astream_many, stream_many
@@ -69,6 +70,8 @@ def patch(
     _check_materialized(target)
     existing = getattr(target, "_hfpaged", None)
     if existing is not None:
+        if existing.tp is not None:  # every rank patches again with the same settings (a no-op too), or none does
+            check_same_options(existing.tp, config)
         now = placement(existing.layers)
         if existing.config == config and now == existing.placement and rewired_message(target, existing) is None:
             if tokenizer is not None:

@@ -60,6 +60,7 @@ def check_ranks(results: list[dict], num_kv_heads: int, arch: str, device: str) 
         assert result["max_time_error"] and "max_time" in result["max_time_error"]
         assert all(error is not None for error in result["one_rank_errors"]), result["one_rank_errors"]
         assert all("different requests" in error for error in result["one_rank_errors"][1:])
+        assert result["options_error"] and "different patch options" in result["options_error"]
         assert result["sampled_after_refusals"] == first["sampled_after_refusals"]
         assert result["free_after"][0] == result["free_after"][1]
         assert result["expected_changed"] != result["expected"]  # the change matters...

@@ -126,6 +126,18 @@ def main() -> None:
             result["one_rank_errors"].append(None)
         except ValueError as error:
             result["one_rank_errors"].append(str(error))
+    # an empty call on one rank only: before, rank 1 returned at once and rank 0's call paired with its next one
+    try:
+        sharded.generate_many(prompts[:1] if rank == 0 else [], max_new_tokens=4)
+        result["one_rank_errors"].append(None)
+    except ValueError as error:
+        result["one_rank_errors"].append(str(error))
+    # patch options that differ by rank (they shape every step): refused on every rank, the working patch kept
+    try:
+        hfpaged.patch(sharded, block_size=4, max_num_seqs=4 + rank, **pool)
+        result["options_error"] = None
+    except ValueError as error:
+        result["options_error"] = str(error)
     result["sampled_after_refusals"] = ids_of(sharded.generate_many(prompts, max_new_tokens=4, do_sample=True))
     result["greedy_after_errors"] = ids_of(
         sharded.generate_many(prompts, max_new_tokens=args.new_tokens, do_sample=False)

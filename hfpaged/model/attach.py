@@ -40,7 +40,7 @@ from .kv_cache import (
 from .kv_quant import cache_dtype, check_fp8_device, given_scales, initial_scales
 from .long_rope import LongRope, find_long_rope
 from .swap_space import SwapSpace, swap_blocks
-from .tensor_parallel import TensorParallel, find_tensor_parallel
+from .tensor_parallel import TensorParallel, check_same_options, find_tensor_parallel
 from .tp_local import LocalProjections, local_projections
 from .weights_version import WeightsVersion, attention_paths, placement
 
@@ -163,6 +163,8 @@ def attach(model: PreTrainedModel, config: EngineConfig, tokenizer: Any = None) 
     """Give every attention layer of ``model`` a paged KV cache in one shared pool; returns the state."""
     check_model(model)
     tp = find_tensor_parallel(model)
+    if tp is not None:
+        check_same_options(tp, config)  # every rank refuses together
     projections = None
     if tp is not None:  # collective: the one-shot all-reduce's buffer is symmetric over the ranks
         projections = local_projections(model, tp.model_group, model.get_input_embeddings().weight.device)

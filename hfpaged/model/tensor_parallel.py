@@ -49,18 +49,38 @@ class TensorParallel:
     def draw_seed(self) -> int:
         return int(torch.randint(0, 2**62, (1,), generator=self.seed_generator).item())
 
-    def check_same(self, what: str, fingerprint: int, count: int) -> None:
-        """Raise ValueError on every rank unless every rank passed the same ``fingerprint``."""
-        mine = torch.tensor([fingerprint, count], dtype=torch.int64)
+    def check_same(self, what: str, fingerprint: int, count: int | None = None) -> None:
+        """Raise ValueError on every rank unless every rank passed the same ``fingerprint`` (and ``count`` of
+        requests; None: options, not requests)."""
+        mine = torch.tensor([fingerprint, -1 if count is None else count], dtype=torch.int64)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(gathered, mine, group=self.group)
         values = [tuple(int(v) for v in t.tolist()) for t in gathered]
         if any(v != values[0] for v in values):
+            if count is None:
+                raise ValueError(
+                    f"tensor parallel: the ranks passed different {what} (fingerprints differ): they shape every "
+                    "step, which the ranks run together. Patch every rank with the same settings"
+                )
             detail = ", ".join(f"rank {r}: {n} requests" for r, (_, n) in enumerate(values))
             raise ValueError(
                 f"tensor parallel: the ranks submitted different {what} ({detail}; fingerprints differ). Every rank "
                 "must make the same calls with the same prompts and settings, in the same order"
             )
+
+
+# patch options each rank may set for itself: the pool (and the swap space) takes the smallest rank's size anyway,
+# and a cache directory or the garbage collector's freeze are the process's own
+RANK_LOCAL_OPTIONS = ("num_blocks", "gpu_memory_utilization", "cpu_kv_cache_gib", "swap_space", "compile_cache_dir",
+                      "freeze_gc")  # fmt: skip
+
+
+def check_same_options(tp: TensorParallel, config: Any) -> None:
+    """ValueError on every rank unless every rank patched with the same engine options (``EngineConfig``; those in
+    ``RANK_LOCAL_OPTIONS`` aside): block size, batch limits, prefix caching, preemption... decide each step."""
+    options = {name: value for name, value in sorted(vars(config).items()) if name not in RANK_LOCAL_OPTIONS}
+    digest = hashlib.blake2b(repr(plain_settings(options)).encode(), digest_size=8).digest()
+    tp.check_same("patch options", int.from_bytes(digest, "little") >> 1)
 
 
 def find_tensor_parallel(model: torch.nn.Module) -> TensorParallel | None:
