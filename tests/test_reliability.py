@@ -330,6 +330,16 @@ def ctrl_c_at(monkeypatch, owner, name, calls, times=1, handler=signal.default_i
     return fired, previous
 
 
+def run_restoring(engine, prompts, previous):
+    """Add ``prompts`` (5 greedy tokens each) to ``engine`` and step it to the end (``run_engine``), then put back
+    SIGINT's ``previous`` handler: (the prompts' ids, then what ``run_engine`` returns)."""
+    try:
+        ids = [engine.add_request(p, max_new_tokens=5, do_sample=False) for p in prompts]
+        return (ids, *run_engine(engine, set(ids)))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("where", ["check_stops", "append_token", "schedule", "deliver"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_ctrl_c_during_a_step_waits_for_the_step_and_its_delivery(where, async_scheduling, monkeypatch):
@@ -346,11 +356,7 @@ def test_a_ctrl_c_during_a_step_waits_for_the_step_and_its_delivery(where, async
         "deliver": (type(engine.core), "_deliver"),
     }[where]
     fired, previous = ctrl_c_at(monkeypatch, owner, name, calls={2, 5, 9})
-    try:
-        ids = [engine.add_request(p, max_new_tokens=5, do_sample=False) for p in prompts]
-        streamed, final, interrupts, _ = run_engine(engine, set(ids))
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    ids, streamed, final, interrupts, _ = run_restoring(engine, prompts, previous)
     assert fired and interrupts == len(fired)
     assert [[streamed[i]] for i in ids] == [[o.token_ids for o in final[i]] for i in ids] == [[e] for e in expected]
     assert all_free(m)
@@ -411,11 +417,7 @@ def test_a_programs_own_sigint_handler_hears_of_each_signal_after_the_step(monke
 
     monkeypatch.setattr(scheduler, "check_stops", counting)
     fired, previous = ctrl_c_at(monkeypatch, scheduler, "check_stops", calls={2}, times=2, handler=records)
-    try:
-        ids = [engine.add_request(p, max_new_tokens=5, do_sample=False) for p in prompts]
-        streamed, final, interrupts, _ = run_engine(engine, set(ids))
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    ids, streamed, final, interrupts, _ = run_restoring(engine, prompts, previous)
     assert fired == [2] and interrupts == 0
     assert [signum for signum, _ in heard] == [signal.SIGINT] * 2
     assert {calls for _, calls in heard} == {2}  # both after the step's check_stops ran, none inside it
@@ -594,11 +596,7 @@ def test_a_second_ctrl_c_stops_the_forward_at_once_and_waits_elsewhere(where, mo
         return result
 
     monkeypatch.setattr(owner, name, tracked)
-    try:
-        ids = [engine.add_request(p, max_new_tokens=5, do_sample=False) for p in prompts]
-        streamed, final, interrupts, _ = run_engine(engine, set(ids))
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    ids, streamed, final, interrupts, _ = run_restoring(engine, prompts, previous)
     assert fired == [3] and interrupts == 1
     assert (3 in completed) == (where != "execute")  # the forward stopped at once; the others completed
     assert [[streamed[i]] for i in ids] == [[o.token_ids for o in final[i]] for i in ids] == [[e] for e in expected]
