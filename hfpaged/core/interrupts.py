@@ -70,8 +70,9 @@ class interrupts_deferred:
     def release(self) -> None:
         """After the block: call the program's own handler for each signal held, then raise a held Ctrl-C."""
         held, self.held = self.held, []
-        for signum, frame in held:
+        if held:
             _heard[0] = self.own_handler
+        for signum, frame in held:
             self.own_handler(signum, frame)
         if self.caught:
             raise self.caught.pop(0)

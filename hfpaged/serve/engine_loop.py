@@ -291,10 +291,8 @@ class EngineLoop:
             try:
                 engine.add_requests(*args, [s.request_id for _, s in submissions])
                 break
-            except (
-                RuntimeError,
-                ReferenceError,
-            ):  # re-patched since the line above (a stale handle): once more, on the new one
+            # re-patched since the line above (a stale handle: its checks raise either): once more, on the new one
+            except (RuntimeError, ReferenceError):
                 current = self._current_engine()
                 if attempt or current is None or current is engine.core:
                     raise
