@@ -23,6 +23,7 @@ class interrupts_deferred:
         self.caught: list[KeyboardInterrupt] = []
         self.own_handler = None  # the program's own SIGINT handler, called for each held signal by ``release``
         self.held: list[tuple] = []  # (signum, frame) of each SIGINT held for ``own_handler``
+        self.previous = None  # the handler installed before the block (put back after it)
         self.escape = False  # raise at a second Ctrl-C (set by ``escapable``; never inside __enter__ / __exit__)
         self.handler = self._hold  # (one bound method: what __exit__ compares the installed handler with)
         self.installed = False
@@ -38,9 +39,9 @@ class interrupts_deferred:
             # a call made inside another step (a logits processor or criterion generating with a model): the outer
             # step holds its Ctrl-Cs, and none may escape half way through this step's bookkeeping
             self.outer, self.outer_escape, outer.escape = outer, outer.escape, False
-        elif current is signal.default_int_handler or callable(current):
-            if current is not signal.default_int_handler:
-                self.own_handler = current
+        elif callable(current):  # Python's default handler, or the program's own
+            self.previous = current
+            self.own_handler = None if current is signal.default_int_handler else current
             self.installed = True
             _signal.signal(signal.SIGINT, self.handler)
         return self
@@ -50,7 +51,7 @@ class interrupts_deferred:
         if self.outer is not None:
             self.outer.escape, self.outer = self.outer_escape, None
         if self.installed and _signal.getsignal(signal.SIGINT) is self.handler:
-            _signal.signal(signal.SIGINT, signal.default_int_handler if self.own_handler is None else self.own_handler)
+            _signal.signal(signal.SIGINT, self.previous)
         self.installed = False
 
     def _hold(self, signum, frame) -> None:
