@@ -122,8 +122,15 @@ def _paged_attention_kernel(
     # all but those
     LEADING_ROWS: tl.constexpr = 0,
 ):
-    program = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if ONE_QUERY:
+        program = tl.program_id(0)
+        kv_head = tl.program_id(1)
+    else:
+        # Query launches have a flat grid with the KV heads innermost: the GPU starts programs in grid order, so the
+        # heaviest causal blocks of every head start first (heads outermost started the last head's heavy blocks
+        # after the other heads' light ones: a tail of a few long programs on a single long prompt)
+        program = tl.program_id(0) // (NUM_HEADS // GROUP)
+        kv_head = tl.program_id(0) % (NUM_HEADS // GROUP)
     split = tl.program_id(2)
 
     # the sequence lookup and the key range read step inputs and host integers only: they may overlap the previous

@@ -53,7 +53,9 @@ def launch_attention_kernel(
     store_strides = (*store_key.stride(), *store_value.stride()) if store is not None else (0,) * 6
     k_desc, v_desc, k_ctx_desc, v_ctx_desc, ctx_offsets = descriptors
     num_seqs = seq_lens.shape[0]
-    _paged_attention_kernel[(num_programs, num_kv_heads, config.num_splits)](
+    # one-query launches: (sequence, KV head, split); others flatten (program, KV head) with the heads innermost
+    grid = (num_programs, num_kv_heads) if config.one_query else (num_programs * num_kv_heads, 1)
+    _paged_attention_kernel[(*grid, config.num_splits)](
         out,
         split_acc,
         split_max,
