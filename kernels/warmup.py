@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ._checks import cdiv
+from .compile_ahead import recording
 from .paged_attention import SEARCH_BLOCK_SEQ_COUNTS, config_for_batch, paged_attention, search_block
 
 QUERY_LENGTHS = (1, 2, 4, 8, 16, 32, 64, 256, 2048)
@@ -121,6 +122,23 @@ def warm_up(
     run_all(run, todo, device)
 
 
+def warm_up_layers(layers, kv_caches, kv_scales, **options) -> None:
+    """``warm_up`` once per distinct kind of attention layer: ``layers`` carry num_heads, num_kv_heads, head_dim,
+    head_dim_v, dtype, sliding_window, softcap and sinks_dtype; ``kv_caches`` their (k, v) caches; ``kv_scales``
+    their fp8 scales ([k, v] tensors) or Nones; ``options``: warm_up's max_num_seqs, max_num_batched_tokens,
+    column_multiple and launch_pdl."""
+    seen = set()
+    for layer, (k_cache, v_cache), scales in zip(layers, kv_caches, kv_scales):
+        key = (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.head_dim_v, layer.dtype)
+        key += (layer.sliding_window, layer.softcap, layer.sinks_dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        warm_up(k_cache, v_cache, num_heads=layer.num_heads, sliding_window=layer.sliding_window,
+                softcap=layer.softcap, sinks_dtype=layer.sinks_dtype, dtype=layer.dtype,
+                kv_scales=None if scales is None else (scales[0:1], scales[1:2]), **options)  # fmt: skip
+
+
 def run_all(run, todo: list[tuple], device: torch.device, workers: int | None = None) -> None:
     """``run(*args)`` for every entry of ``todo``; on CUDA the compiles overlap in threads.
 
@@ -136,7 +154,7 @@ def run_all(run, todo: list[tuple], device: torch.device, workers: int | None = 
         workers = min(WARMUP_THREADS, os.cpu_count() or 1) if device.type == "cuda" else 1
     workers = min(workers, max(len(todo) - 1, 1))
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if capturing or workers < 2:
+    if capturing or workers < 2 or recording():  # recording (compile_ahead.py): its hook sees this thread only
         for args in todo:
             run(*args)
         return

@@ -77,6 +77,7 @@ class ModelRunner:
         self._compile_cache = None  # compile: the on-disk artifacts (compile_cache.py), found at first use
         self._warmed = False
         self.warmup_seconds = 0.0  # the Triton kernel warm-up's wall time (CUDA; cold start diagnostics)
+        self.compile_ahead: dict = {}  # its compiles in worker processes: counts (kernels/compile_ahead.py)
         self.capture_seconds = {"decode": 0.0, "mixed": 0.0}  # graph capture wall time, compiles included
         self.num_graph_steps = 0
         self.num_eager_steps = 0
@@ -221,37 +222,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Compile the Triton kernel variants a run will meet up front (see ``kernels/warmup.py``)."""
+        """Compile the Triton kernel variants a run will meet up front (``kernels/warmup.py``), their compiles in
+        worker processes first (``kernels/compile_ahead.py``)."""
         self._warmed = True
         if not self.state.use_triton or self.device.type != "cuda":
             return
-        from ..kernels.warmup import warm_up
+        from ..kernels.compile_ahead import compile_ahead
+        from ..kernels.warmup import warm_up_layers
 
         start = time.perf_counter()
+        state = self.state
+        scales = state.kv_scales or [None] * len(state.layers)
 
-        seen = set()
-        scales = self.state.kv_scales or [None] * len(self.state.layers)
-        for layer, (k_cache, v_cache), layer_scales in zip(self.state.layers, self.state.kv_caches, scales):
-            key = (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.head_dim_v, layer.dtype)
-            key += (layer.sliding_window, layer.softcap, layer.sinks_dtype)
-            if key in seen:
-                continue
-            seen.add(key)
-            warm_up(
-                k_cache,
-                v_cache,
-                num_heads=layer.num_heads,
-                sliding_window=layer.sliding_window,
-                softcap=layer.softcap,
-                sinks_dtype=layer.sinks_dtype,
-                max_num_seqs=self.config.max_num_seqs,
-                max_num_batched_tokens=self.config.max_num_batched_tokens,
-                column_multiple=padded_width(1),
-                dtype=layer.dtype,
-                kv_scales=None if layer_scales is None else (layer_scales[0:1], layer_scales[1:2]),
-                launch_pdl=self.state.dependent_launch,
-            )
-        self.state.fused_projections.warm_up_gemv()
+        def launch_all() -> None:
+            warm_up_layers(state.layers, state.kv_caches, scales, max_num_seqs=self.config.max_num_seqs,
+                           max_num_batched_tokens=self.config.max_num_batched_tokens, column_multiple=padded_width(1),
+                           launch_pdl=state.dependent_launch)  # fmt: skip
+            state.fused_projections.warm_up_gemv()
+
+        self.compile_ahead = compile_ahead(launch_all, self.device)
+        launch_all()
         torch.cuda.synchronize(self.device)
         self.warmup_seconds = time.perf_counter() - start
 

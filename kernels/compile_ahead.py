@@ -1,0 +1,248 @@
+"""The kernel warm-up's Triton compiles in worker processes, ahead of its own launches.
+
+The warm-up (warmup.py) compiles a few dozen kernel variants. In threads their Python front ends take turns on the
+GIL; a compile needs no GPU though, only the kernel's source, its specialisation (signature, constants, alignment
+attributes), the options and the target, and it lands in Triton's on-disk cache under a key of exactly those. So
+``compile_ahead`` runs the warm-up's launches once with Triton's ``jit_cache_hook`` set for this thread only: each
+variant this process has not compiled is recorded (Triton's serialised specialisation, as its ``preload`` reads it)
+and skipped (no compile, no launch). The ones not yet in the on-disk cache are compiled by up to
+``HFPAGED_WARMUP_PROCESSES`` (default 16, at most one per core) worker processes (``python -c``: no import of the caller's ``__main__``,
+no CUDA; each loads only this package, torch and Triton); then the warm-up's launches run as before and find
+every compile in the cache. Anything that fails here leaves its variant to that in-process pass, which raises real
+errors as it always did; ``HFPAGED_WARMUP_PROCESSES=0`` turns this off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+
+logger = logging.getLogger("hfpaged")
+PACKAGE = __name__.rpartition(".")[0]  # hfpaged.kernels
+MIN_JOBS = 4  # fewer compiles than this stay in the warm-up's own threads (a worker's start-up costs ~1-3 s)
+_RECORDING = threading.Lock()  # one recording at a time: the hook is Triton-global
+_LOCAL = threading.local()
+
+
+def recording() -> bool:
+    """Whether this thread is recording compiles (its launches must stay in this thread: see run_all)."""
+    return getattr(_LOCAL, "recording", False)
+
+
+def _processes_from_env() -> int:
+    value = os.environ.get("HFPAGED_WARMUP_PROCESSES", "16")
+    if not value.isdigit():
+        raise ValueError(f"HFPAGED_WARMUP_PROCESSES must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+WARMUP_PROCESSES = _processes_from_env()
+
+
+def record_compiles(launch_all) -> list[dict]:
+    """Run ``launch_all()`` with this thread's Triton compiles of this package's kernels recorded and skipped (the
+    launches that would compile do nothing); other threads, and kernels already compiled here, run as usual.
+    Returns the recorded compiles: {"module", "name", "data"} (``data``: Triton's serialised specialisation)."""
+    from triton import knobs
+
+    jobs: list[dict] = []
+    me = threading.get_ident()
+    active = [True]
+    with _RECORDING:
+        previous = knobs.runtime.jit_cache_hook
+
+        def hook(**kwargs):
+            fn = kwargs["fn"]
+            if active[0] and threading.get_ident() == me and fn.module.startswith(PACKAGE + "."):
+                jobs.append({"module": fn.module, "name": fn.name, "data": kwargs["compile"]["specialization_data"]})
+                return True  # skip: no compile, no launch
+            return previous(**kwargs) if previous is not None else None
+
+        knobs.runtime.jit_cache_hook = hook
+        _LOCAL.recording = True
+        try:
+            launch_all()
+        finally:
+            _LOCAL.recording = False
+            active[0] = False  # if another hook was set over this one meanwhile, this one now only passes through
+            if knobs.runtime.jit_cache_hook is hook:
+                knobs.runtime.jit_cache_hook = previous
+    unique = {}
+    for job in jobs:
+        unique.setdefault((job["module"], job["name"], job["data"]), job)
+    return list(unique.values())
+
+
+def _source(job: dict, backend):
+    """(ASTSource, options) of a recorded compile, rebuilt as Triton's ``JITFunction.preload`` rebuilds it."""
+    import importlib
+
+    import triton.language as tl
+    from triton.compiler import ASTSource
+
+    def tuples(value):
+        return tuple(tuples(v) for v in value) if isinstance(value, list) else value
+
+    def constant(value):
+        if isinstance(value, str) and tl.dtype.is_dtype(value):
+            return tl.dtype(value)
+        if isinstance(value, dict) and "constexpr" in value:
+            return tl.constexpr(tuples(value["constexpr"]))
+        return tuples(value)
+
+    data = json.loads(job["data"])
+    fn = getattr(importlib.import_module(job["module"]), job["name"])
+    constants = {tuple(k): constant(v) for k, v in zip(data["constant_keys"], data["constant_vals"])}
+    attrs = dict(zip(map(tuple, data["attrs_keys"]), data["attrs_vals"]))
+    signature = {k: tuples(v) for k, v in data["signature"].items()}
+    options = backend.parse_options({k: tuples(v) for k, v in data["options"].items()})
+    return ASTSource(fn, signature, constants, attrs), options
+
+
+def _is_cached(job: dict, target) -> bool:
+    """Whether Triton's on-disk cache holds the compile (the lookup ``triton.compile`` starts with)."""
+    from triton import knobs
+    from triton.compiler.compiler import get_cache_invalidating_env_vars, get_cache_key, get_cache_manager, make_backend
+
+    if getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None:
+        return False  # the key then has a part this lookup does not compute
+    backend = make_backend(target)
+    src, options = _source(job, backend)
+    options = backend.parse_options(dict(options.__dict__, **src.parse_options()))
+    key = get_cache_key(src, backend, options, env_vars=get_cache_invalidating_env_vars())
+    name = f"{src.name[:150]}.json"
+    group = get_cache_manager(hashlib.sha256(key.encode("utf-8")).hexdigest()).get_group(name) or {}
+    return group.get(name) is not None
+
+
+def compile_ahead(launch_all, device, processes: int | None = None) -> dict:
+    """Compile the Triton variants ``launch_all()`` would compile in worker processes (see the module docstring);
+    the caller then runs ``launch_all()`` itself. Returns counts: recorded, missing from the disk cache, worker
+    processes, still missing after them (those compile in the caller's pass); the workers' longest compile and
+    their compiles' total (seconds)."""
+    from triton import knobs
+
+    processes = WARMUP_PROCESSES if processes is None else processes
+    stats = {"recorded": 0, "missing": 0, "workers": 0, "still_missing": 0, "slowest_compile_s": 0.0, "compile_s": 0.0}
+    if device.type != "cuda" or processes < 1 or os.environ.get("TRITON_INTERPRET") == "1":
+        return stats
+    if knobs.compilation.always_compile:
+        return stats
+    from triton.runtime import driver
+
+    jobs = record_compiles(launch_all)
+    target = driver.active.get_current_target()
+    try:
+        missing = [job for job in jobs if not _is_cached(job, target)]
+    except Exception:  # an internal of another Triton version: leave every compile to the caller's pass
+        logger.debug("hfpaged: compile_ahead could not read Triton's cache", exc_info=True)
+        return {**stats, "recorded": len(jobs)}
+    stats.update(recorded=len(jobs), missing=len(missing))
+    if len(missing) < MIN_JOBS:
+        return stats
+    workers = min(processes, os.cpu_count() or 1, len(missing))
+    stats["workers"] = workers
+    seconds = _run_workers(sorted(missing, key=_cost, reverse=True), target, workers)
+    stats["still_missing"] = sum(not _is_cached(job, target) for job in missing)
+    stats["slowest_compile_s"] = round(max(seconds, default=0.0), 2)
+    stats["compile_s"] = round(sum(seconds), 2)  # over all workers
+    return stats
+
+
+def _cost(job: dict) -> tuple:
+    """A guess at a compile's length, to start the long ones first: warps x stages, then the tile's area."""
+    data = json.loads(job["data"])
+    names = list(data["signature"])
+    constants = {names[k[0]]: v for k, v in zip(data["constant_keys"], data["constant_vals"]) if len(k) == 1}
+    tile = 1
+    for name in ("BLOCK_M", "TILE_N", "BLOCK_N", "HEAD_DIM_PAD"):
+        tile *= constants.get(name) if isinstance(constants.get(name), int) else 1
+    options = data["options"]
+    return (options.get("num_warps", 4) * options.get("num_stages", 1), tile)
+
+
+_BOOT = """
+import importlib.util, os, sys, types
+package, package_dir = sys.argv[1], sys.argv[2]
+parts = package.split(".")
+for i in range(1, len(parts)):  # the parents as empty packages: no import of hfpaged (transformers) here
+    sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i]))).__path__ = []
+spec = importlib.util.spec_from_file_location(
+    package, os.path.join(package_dir, "__init__.py"), submodule_search_locations=[package_dir])
+module = importlib.util.module_from_spec(spec)
+sys.modules[package] = module
+spec.loader.exec_module(module)
+importlib.import_module(package + ".compile_ahead")._worker(sys.argv[3])
+"""
+
+
+def _run_workers(jobs: list[dict], target, workers: int) -> list[float]:
+    """Compile ``jobs`` in ``workers`` processes, each taking the next unclaimed job in order; the seconds each
+    compile took (failed ones excluded)."""
+    package_dir = os.path.dirname(os.path.abspath(__file__))
+    with tempfile.TemporaryDirectory(prefix="hfpaged-compile-") as tmp:
+        path = os.path.join(tmp, "jobs.json")
+        with open(path, "w") as f:
+            json.dump({"target": target.__dict__, "jobs": jobs}, f)
+        procs = []
+        try:
+            for i in range(workers):
+                cmd = [sys.executable, "-c", _BOOT, PACKAGE, package_dir, path]
+                log = open(os.path.join(tmp, f"worker{i}.log"), "w")  # noqa: SIM115 (closed below)
+                procs.append(
+                    (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL), log)
+                )
+            for proc, _ in procs:
+                proc.wait()
+        finally:
+            for proc, log in procs:
+                if proc.poll() is None:  # the caller was interrupted: no worker outlives it
+                    proc.kill()
+                    proc.wait()
+                log.close()
+        seconds = []
+        for i, (proc, _) in enumerate(procs):
+            with open(os.path.join(tmp, f"worker{i}.log")) as f:
+                text = f.read()
+            seconds += [float(line.split()[2]) for line in text.splitlines() if line.startswith("hfpaged-compiled ")]
+            if proc.returncode != 0:
+                logger.debug("hfpaged: compile worker %d exited with %s:\n%s", i, proc.returncode, text[-2000:])
+    return seconds
+
+
+def _worker(path: str) -> None:
+    """A worker process: compile the jobs no other worker has claimed (a claim is a file made exclusively beside
+    the job list), in the list's order, into Triton's cache; a failure is printed and the rest go on (the caller
+    compiles that variant itself)."""
+    import time
+    import traceback
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as triton_compile
+    from triton.compiler.compiler import make_backend
+
+    with open(path) as f:
+        spec = json.load(f)
+    target = GPUTarget(**spec["target"])
+    backend = make_backend(target)
+    failed = 0
+    for j, job in enumerate(spec["jobs"]):
+        try:
+            os.close(os.open(f"{path}.claim{j}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue
+        start = time.perf_counter()
+        try:
+            src, options = _source(job, backend)
+            triton_compile(src, target=target, options=options.__dict__)
+            print(f"hfpaged-compiled {j} {time.perf_counter() - start:.3f}", flush=True)
+        except Exception:
+            failed += 1
+            traceback.print_exc()
+    sys.exit(1 if failed else 0)
