@@ -14,14 +14,18 @@ errors as it always did; ``HFPAGED_WARMUP_PROCESSES=0`` turns this off.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+
+from ._checks import interpreting
 
 logger = logging.getLogger("hfpaged")
 PACKAGE = __name__.rpartition(".")[0]  # hfpaged.kernels
@@ -49,6 +53,7 @@ def record_compiles(launch_all) -> list[dict]:
     """Run ``launch_all()`` with this thread's Triton compiles of this package's kernels recorded and skipped (the
     launches that would compile do nothing); other threads, and kernels already compiled here, run as usual.
     Returns the recorded compiles: {"module", "name", "data"} (``data``: Triton's serialised specialisation)."""
+    import triton.runtime.jit as jit_module
     from triton import knobs
 
     jobs: list[dict] = []
@@ -56,15 +61,27 @@ def record_compiles(launch_all) -> list[dict]:
     active = [True]
     with _RECORDING:
         previous = knobs.runtime.jit_cache_hook
+        serialize = getattr(jit_module, "serialize_specialization_data", None)
+
+        def lenient(*args, **kwargs):
+            # With a hook set, Triton serialises every compile's specialisation to JSON before calling it, in every
+            # thread; another thread's kernel with a constant JSON cannot hold (a jit function passed as constexpr)
+            # would raise there: its compile then goes on without the data (this hook passes it through)
+            try:
+                return serialize(*args, **kwargs)
+            except (TypeError, ValueError):
+                return None
 
         def hook(**kwargs):
-            fn = kwargs["fn"]
-            if active[0] and threading.get_ident() == me and fn.module.startswith(PACKAGE + "."):
-                jobs.append({"module": fn.module, "name": fn.name, "data": kwargs["compile"]["specialization_data"]})
+            fn, data = kwargs["fn"], kwargs["compile"].get("specialization_data")
+            if active[0] and threading.get_ident() == me and fn.module.startswith(PACKAGE + ".") and data is not None:
+                jobs.append({"module": fn.module, "name": fn.name, "data": data})
                 return True  # skip: no compile, no launch
             return previous(**kwargs) if previous is not None else None
 
         knobs.runtime.jit_cache_hook = hook
+        if serialize is not None:
+            jit_module.serialize_specialization_data = lenient
         _LOCAL.recording = True
         try:
             launch_all()
@@ -73,6 +90,8 @@ def record_compiles(launch_all) -> list[dict]:
             active[0] = False  # if another hook was set over this one meanwhile, this one now only passes through
             if knobs.runtime.jit_cache_hook is hook:
                 knobs.runtime.jit_cache_hook = previous
+            if serialize is not None and jit_module.serialize_specialization_data is lenient:
+                jit_module.serialize_specialization_data = serialize
     unique = {}
     for job in jobs:
         unique.setdefault((job["module"], job["name"], job["data"]), job)
@@ -130,14 +149,15 @@ def compile_ahead(launch_all, device, processes: int | None = None) -> dict:
 
     processes = WARMUP_PROCESSES if processes is None else processes
     stats = {"recorded": 0, "missing": 0, "workers": 0, "still_missing": 0, "slowest_compile_s": 0.0, "compile_s": 0.0}
-    if device.type != "cuda" or processes < 1 or os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type != "cuda" or processes < 1 or interpreting() or knobs.compilation.always_compile:
         return stats
-    if knobs.compilation.always_compile:
+    if getattr(sys, "frozen", False):  # a frozen application: sys.executable is the application, not Python
         return stats
     from triton.runtime import driver
 
     jobs = record_compiles(launch_all)
-    target = driver.active.get_current_target()
+    with _on(device):
+        target = driver.active.get_current_target()  # the runner's device's (the current device may be another)
     try:
         missing = [job for job in jobs if not _is_cached(job, target)]
     except Exception:  # an internal of another Triton version: leave every compile to the caller's pass
@@ -148,11 +168,24 @@ def compile_ahead(launch_all, device, processes: int | None = None) -> dict:
         return stats
     workers = min(processes, os.cpu_count() or 1, len(missing))
     stats["workers"] = workers
-    seconds = _run_workers(sorted(missing, key=_cost, reverse=True), target, workers)
+    try:
+        seconds = _run_workers(sorted(missing, key=_cost, reverse=True), target, workers)
+    except Exception:  # the workers could not start (or their directory failed): the caller's pass compiles all
+        logger.debug("hfpaged: compile_ahead's workers failed", exc_info=True)
+        seconds = []
     stats["still_missing"] = sum(not _is_cached(job, target) for job in missing)
     stats["slowest_compile_s"] = round(max(seconds, default=0.0), 2)
     stats["compile_s"] = round(sum(seconds), 2)  # over all workers
     return stats
+
+
+def _on(device):
+    """``torch.cuda.device(device)`` (a stand-in device without an index: nothing)."""
+    import contextlib
+
+    import torch
+
+    return torch.cuda.device(device) if device.index is not None else contextlib.nullcontext()
 
 
 def _cost(job: dict) -> tuple:
@@ -194,20 +227,20 @@ def _run_workers(jobs: list[dict], target, workers: int) -> list[float]:
         try:
             for i in range(workers):
                 cmd = [sys.executable, "-c", _BOOT, PACKAGE, package_dir, path]
-                log = open(os.path.join(tmp, f"worker{i}.log"), "w")  # noqa: SIM115 (closed below)
-                procs.append(
-                    (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL), log)
-                )
-            for proc, _ in procs:
+                with open(os.path.join(tmp, f"worker{i}.log"), "w") as log:  # the child keeps its own descriptor
+                    # a session of its own: an interrupted caller kills the worker with its ptxas (killpg below)
+                    procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                  start_new_session=True))  # fmt: skip
+            for proc in procs:
                 proc.wait()
         finally:
-            for proc, log in procs:
+            for proc in procs:
                 if proc.poll() is None:  # the caller was interrupted: no worker outlives it
-                    proc.kill()
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-                log.close()
         seconds = []
-        for i, (proc, _) in enumerate(procs):
+        for i, proc in enumerate(procs):
             with open(os.path.join(tmp, f"worker{i}.log")) as f:
                 text = f.read()
             seconds += [float(line.split()[2]) for line in text.splitlines() if line.startswith("hfpaged-compiled ")]

@@ -4,7 +4,7 @@ Triton compiles for the H100 (sm_90) on the CPU; only launching needs the device
 process with compiled (not interpreted) kernels and a stand-in Triton driver that names an sm_90 target: the
 argmax kernels' launches are recorded (nothing compiled or launched), compiled by worker processes into a fresh
 cache, and the real JIT path then finds every one of them there. The GPU test of the whole warm-up (every compile of
-the runner's own pass a cache hit) is in test_gpu_graphs.py.
+the runner's own pass a cache hit) is the last test here.
 """
 
 import json
@@ -36,13 +36,28 @@ class StandIn:  # what JITFunction.run asks of the driver before it compiles
 
 
 driver.set_active(StandIn())
+import triton.runtime.jit as jit_module
+
 from hfpaged.kernels import argmax, compile_ahead
+
+# Triton 3.6 cannot serialise some constants (a jit function passed as constexpr) and raises TypeError; 3.9 can.
+# This serialiser does the same for any fp16 variant, the other thread's below.
+original_serialize = jit_module.serialize_specialization_data
+
+
+def strict_serialize(name, signature, *args, **kwargs):
+    if any("fp16" in str(v) for v in signature.values()):
+        raise TypeError("Object of type JITFunction is not JSON serializable")
+    return original_serialize(name, signature, *args, **kwargs)
+
+
+jit_module.serialize_specialization_data = strict_serialize
 
 CHUNK, NO_INDEX = argmax.CHUNK, argmax._NO_INDEX
 SHAPES = ((3, 5000), (7, 70000))
 
 
-def launch(rows, vocab, warmup=False, dtype=torch.float32, chunk_kernel=True):
+def launch(rows, vocab, warmup=False, dtype=torch.float32, chunk_kernel=True, warps=4):
     x = torch.randn(rows, vocab, dtype=dtype)
     n = triton.cdiv(vocab, CHUNK)
     top, index = torch.empty(rows, n), torch.empty(rows, n, dtype=torch.int32)
@@ -53,7 +68,7 @@ def launch(rows, vocab, warmup=False, dtype=torch.float32, chunk_kernel=True):
     if warmup:  # compiles without launching (the stand-in driver cannot launch)
         return chunk.warmup(*args, CHUNK=CHUNK, NO_INDEX=NO_INDEX, num_warps=4, grid=(1,))
     if chunk_kernel:
-        chunk[(rows, n)](*args, CHUNK=CHUNK, NO_INDEX=NO_INDEX, num_warps=4)
+        chunk[(rows, n)](*args, CHUNK=CHUNK, NO_INDEX=NO_INDEX, num_warps=warps)
     row[(rows,)](top, index, out, n, CHUNKS_PAD=16 if n <= 16 else 64, NO_INDEX=NO_INDEX, num_warps=4)
 
 
@@ -86,8 +101,23 @@ again = compile_ahead.compile_ahead(
 target = driver.active.get_current_target()
 bogus = {"module": "hfpaged.kernels.argmax", "name": "_row_argmax_kernel", "data": "{}"}
 bogus_seconds = compile_ahead._run_workers([bogus], target, 1)
+# workers that cannot start: nothing raised, every variant left to the caller's pass
+import subprocess
+
+
+def no_popen(*args, **kwargs):
+    raise PermissionError(13, "Permission denied")
+
+
+subprocess.Popen = no_popen
+unstarted = compile_ahead.compile_ahead(  # four new chunk variants (bf16, 4 or 8 warps)
+    lambda: [launch(r, v, dtype=torch.bfloat16, warps=w) for r, v in SHAPES for w in (4, 8)],
+    torch.device("cuda"),
+    processes=2,
+)
 print(json.dumps({
-    "stats": stats, "again": again, "bogus_seconds": bogus_seconds, "hits": hits, "other_compiled": other["kernel"] is not None,
+    "stats": stats, "again": again, "bogus_seconds": bogus_seconds, "unstarted": unstarted,
+    "serializer_restored": jit_module.serialize_specialization_data is strict_serialize, "hits": hits, "other_compiled": other["kernel"] is not None,
     "recording_in_launch_all": other["in_run_all"], "recording_after": compile_ahead.recording(),
     "previous_hook_calls": previous_calls, "hook_restored": hook_after is not None and hook_after.__name__ == "<lambda>",
 }))
@@ -129,6 +159,10 @@ def test_compiles_in_workers_are_the_jit_paths_cache_hits(tmp_path):
     assert result["recording_in_launch_all"] is True and result["recording_after"] is False
     assert result["hook_restored"] is True
     assert result["bogus_seconds"] == []  # a job that fails in its worker is left to the caller, nothing raised
+    # the other thread's compile went on although its specialisation could not be serialised
+    assert result["serializer_restored"] is True
+    unstarted = result["unstarted"]
+    assert unstarted["missing"] >= 4 and unstarted["still_missing"] == unstarted["missing"], unstarted
 
 
 def test_processes_setting_is_checked(monkeypatch):
