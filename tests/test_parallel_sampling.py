@@ -161,6 +161,34 @@ def test_engine_outputs_and_abort_of_the_whole_prompt(model):
     assert not engine.prompts and not engine.core.scheduler.requests
 
 
+def test_abort_after_the_first_sequence_finished_frees_the_others():
+    # The prompt's first sequence (whose id is the prompt's) stops at eos while the second still runs: aborting the
+    # prompt, or closing its stream, must end the second too (it used to keep running and hold its blocks, since
+    # the prompt's id had left the scheduler's table with the first sequence).
+    m = make_model("llama", seed=7)
+    hfpaged.patch(m, async_scheduling=False)
+    prompt = [69, 25, 69, 34, 36, 28, 13, 29, 59, 16, 93]
+    settings = dict(max_new_tokens=30, do_sample=True, seed=1, num_return_sequences=2, eos_token_id=87)
+
+    def idle():
+        st = hfpaged.stats(m)
+        return st["num_free_blocks"] == st["num_blocks"] and st["num_running_requests"] == 0
+
+    engine = hfpaged.Engine(m)
+    prompt_id = engine.add_request(prompt, **settings)
+    first = None
+    while first is None:
+        first = next((out for out in engine.step() if out.finished), None)
+    assert (first.sequence_index, first.finish_reason) == (0, "stop")  # the case under test
+    engine.abort(prompt_id)
+    assert idle() and not engine.core.scheduler.requests
+    stream = m.stream_many([prompt], **settings)
+    event = next(event for event in stream if event.finished)
+    assert (event.sequence_index, event.finish_reason) == (0, "stop")
+    stream.close()
+    assert idle()
+
+
 @pytest.mark.gpu
 def test_cuda_parallel_samples_with_triton_and_graphs():
     model = make_model("llama").cuda()

@@ -113,7 +113,10 @@ class Scheduler(SequenceGroups):
 
     def abort(self, request_id: str) -> list[Request]:
         """Finish every sequence of the prompt of ``request_id`` with reason "abort"; returns them."""
-        request = self.requests.get(request_id)
+        # (the prompt's first sequence leaves the table when it finishes first: then any sequence of its prompt)
+        request = self.requests.get(request_id) or next(
+            (r for r in self.requests.values() if r.prompt_id == request_id), None
+        )
         if request is None:
             return []
         members = [m for m in request.members if not m.is_finished]
