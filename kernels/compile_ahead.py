@@ -166,7 +166,8 @@ def compile_ahead(launch_all, device, processes: int | None = None) -> dict:
     stats.update(recorded=len(jobs), missing=len(missing))
     if len(missing) < MIN_JOBS:
         return stats
-    workers = min(processes, os.cpu_count() or 1, len(missing))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = min(processes, cores, len(missing))  # the cores this process may run on
     stats["workers"] = workers
     try:
         seconds = _run_workers(sorted(missing, key=_cost, reverse=True), target, workers)
