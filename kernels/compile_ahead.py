@@ -6,9 +6,9 @@ attributes), the options and the target, and it lands in Triton's on-disk cache 
 ``compile_ahead`` runs the warm-up's launches once with Triton's ``jit_cache_hook`` set for this thread only: each
 variant this process has not compiled is recorded (Triton's serialised specialisation, as its ``preload`` reads it)
 and skipped (no compile, no launch). The ones not yet in the on-disk cache are compiled by up to
-``HFPAGED_WARMUP_PROCESSES`` (default 16, at most one per core) worker processes (``python -c``: no import of the caller's ``__main__``,
-no CUDA; each loads only this package, torch and Triton); then the warm-up's launches run as before and find
-every compile in the cache. Anything that fails here leaves its variant to that in-process pass, which raises real
+``HFPAGED_WARMUP_PROCESSES`` (default 16, at most one per core) worker processes (``python -c``: no import of the
+caller's ``__main__``, no CUDA; each loads only this package, torch and Triton); then the warm-up's launches run as
+before and find every compile in the cache. Anything that fails here leaves its variant to that in-process pass, which raises real
 errors as it always did; ``HFPAGED_WARMUP_PROCESSES=0`` turns this off.
 """
 
@@ -182,8 +182,6 @@ def compile_ahead(launch_all, device, processes: int | None = None) -> dict:
 
 def _on(device):
     """``torch.cuda.device(device)`` (a stand-in device without an index: nothing)."""
-    import contextlib
-
     import torch
 
     return torch.cuda.device(device) if device.index is not None else contextlib.nullcontext()
