@@ -30,8 +30,15 @@ from .model.runner import ModelRunner
 from .model.tensor_parallel import check_lockstep, making_requests
 from .model.weights_version import rewired_message
 from .outputs import RequestOutput, progress_output
-from .prompts import PromptMaker, check_tokenizer
+from .prompts import PromptMaker, check_batch, check_tokenizer
 from .sampling.sampler import StepResult
+
+
+class ModelUnpatched(RuntimeError):
+    """This engine handle's model was unpatched, or patched again, since the handle was made."""
+
+
+UNPATCHED = "this engine handle's model was unpatched or patched again: make a new one"
 
 
 class EngineCore:
@@ -40,6 +47,7 @@ class EngineCore:
     def __init__(self, model: PreTrainedModel, state: PatchState):
         config = state.config
         self.state = weakref.proxy(state)  # the state owns this engine: no reference cycle
+        self.closed = False  # unpatch: no request is added any more
         self.kv = KVManager(
             state.num_blocks,
             config.block_size,
@@ -246,7 +254,7 @@ class EngineCore:
         try:
             check_attention_implementation(state.attn_configs)
         except ReferenceError:  # the model was unpatched, or patched again, since this handle was made
-            raise RuntimeError("this engine handle's model was unpatched or patched again: make a new one") from None
+            raise ModelUnpatched(UNPATCHED) from None
         warn_if_autocast()
         changed, rewired = state.weights.check(model)
         if changed:
@@ -289,6 +297,8 @@ class Client:
 
     def submit(self, requests: list[Request]) -> None:
         with self.core.lock:
+            if self.core.closed:  # unpatched since these requests were made
+                raise ModelUnpatched(UNPATCHED)
             if self.core.state.tp is not None:
                 check_lockstep(self.core.state.tp, requests)
             self.core.wake()  # a pool released by hfpaged.sleep comes back with the first request
@@ -366,21 +376,11 @@ class Engine(Client):
         none (a bad prompt or setting raises and queues nothing). The weights are checked once for all of them.
         Returns their ids."""
         with making_requests(self.core.state):  # tensor parallel: a rank's refusal is every rank's
-            for name, value in (("prompts", prompts), ("settings", settings), ("request_ids", request_ids)):
-                if (value is not None or name != "request_ids") and not isinstance(value, (list, tuple)):
-                    raise TypeError(f"add_requests: {name} must be a list, got {type(value).__name__}")
-            bad = next((i for i, kwargs in enumerate(settings) if not isinstance(kwargs, dict)), None)
-            if bad is not None:
-                raise TypeError(
-                    f"add_requests: settings[{bad}] must be a dict of settings, got {type(settings[bad]).__name__}"
-                )
-            if len(settings) != len(prompts) or (request_ids is not None and len(request_ids) != len(prompts)):
-                raise ValueError(
-                    f"add_requests needs one settings dict (and request id) per prompt: {len(prompts)} prompts, "
-                    f"{len(settings)} settings" + ("" if request_ids is None else f", {len(request_ids)} request ids")
-                )
+            check_batch(prompts, settings, request_ids)
             self.core.check_weights(self.model)
             with self.core.lock:
+                if self.core.closed:  # unpatched since the checks (unpatch closes the engine under this lock)
+                    raise ModelUnpatched(UNPATCHED)
                 requests, taken = [], set()
                 chosen = {request_id for request_id in request_ids or () if isinstance(request_id, str)}
                 for prompt, kwargs, request_id in zip(prompts, settings, request_ids or [None] * len(prompts)):

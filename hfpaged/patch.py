@@ -3,6 +3,7 @@ you already have (a transformers model, or a PEFT model wrapping one)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import weakref
@@ -97,13 +98,17 @@ def unpatch(model: PreTrainedModel) -> PreTrainedModel:
     state = getattr(target, "_hfpaged", None)
     if state is None:
         return model
-    if state.engine is not None:
-        with state.engine.lock:
-            state.engine.abort_everything()  # their callers (threads, streams, Engine handles) see them end
-            state.engine.runner.drop_graphs()  # also undoes the runner's gc.freeze() (EngineConfig.freeze_gc)
-    for name in _METHODS:
-        target.__dict__.pop(name, None)
-    detach(target)
+    engine = state.engine
+    # the engine's lock throughout: a handle on it (another thread's, the server's) adds and steps nothing between
+    # the aborts and the detach, and adds nothing after it (closed)
+    with engine.lock if engine is not None else contextlib.nullcontext():
+        if engine is not None:
+            engine.abort_everything()  # their callers (threads, streams, Engine handles) see them end
+            engine.runner.drop_graphs()  # also undoes the runner's gc.freeze() (EngineConfig.freeze_gc)
+            engine.closed = True
+        for name in _METHODS:
+            target.__dict__.pop(name, None)
+        detach(target)
     return model
 
 

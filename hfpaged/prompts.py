@@ -320,3 +320,19 @@ def _warn_about_lengths(model: PreTrainedModel, request: Request, resolved: Reso
     hf_compat.validate_generated_length(
         model, request.params.generation_config, request.num_prompt_tokens, resolved.has_default_max_length
     )
+
+
+def check_batch(prompts: Any, settings: Any, request_ids: Any) -> None:
+    """``Engine.add_requests``'s arguments: lists of prompts and of settings dicts, and of request ids or None, one
+    per prompt (a ``TypeError`` or ``ValueError`` naming what is wrong)."""
+    for name, value in (("prompts", prompts), ("settings", settings), ("request_ids", request_ids)):
+        if (value is not None or name != "request_ids") and not isinstance(value, (list, tuple)):
+            raise TypeError(f"add_requests: {name} must be a list, got {type(value).__name__}")
+    bad = next((i for i, kwargs in enumerate(settings) if not isinstance(kwargs, dict)), None)
+    if bad is not None:
+        raise TypeError(f"add_requests: settings[{bad}] must be a dict of settings, got {type(settings[bad]).__name__}")
+    if len(settings) != len(prompts) or (request_ids is not None and len(request_ids) != len(prompts)):
+        raise ValueError(
+            f"add_requests needs one settings dict (and request id) per prompt: {len(prompts)} prompts, "
+            f"{len(settings)} settings" + ("" if request_ids is None else f", {len(request_ids)} request ids")
+        )

@@ -275,3 +275,34 @@ def test_a_sliding_window_edited_in_the_config_is_followed():
     prompts = random_prompts([6, 9], seed=6)
     assert greedy(model, prompts) == stock(model, prompts)
     assert_pool_free(model)
+
+
+def test_an_unpatch_after_a_handles_checks_refuses_its_request_and_steps_nothing(monkeypatch):
+    # another thread unpatches after Engine.add_request's checks passed and before the request joins: it used to
+    # fail here with a bare ReferenceError, or (while the state lived on) join the old engine, whose next step then
+    # ran the forward of a detached model (AttributeError); the closed engine now refuses it by name
+    import threading
+
+    import hfpaged.engine as engine_module
+
+    m = make_model("llama")
+    hfpaged.patch(m, num_blocks=32, block_size=4)
+    engine = hfpaged.Engine(m)
+    real = engine.core.check_weights
+
+    def checks(model):
+        real(model)
+        thread = threading.Thread(target=hfpaged.unpatch, args=(model,))
+        thread.start()
+        thread.join()
+
+    monkeypatch.setattr(engine.core, "check_weights", checks)
+    with pytest.raises(engine_module.ModelUnpatched, match="unpatched or patched again: make a new one"):
+        engine.add_request([5, 6, 7], max_new_tokens=3)
+    monkeypatch.undo()
+    assert not hasattr(m, "_hfpaged") and not engine.has_unfinished() and engine.step() == []
+    hfpaged.patch(m, num_blocks=32, block_size=4)  # and the model is as usable as ever
+    assert (
+        m.generate_many([[5, 6, 7]], max_new_tokens=3, do_sample=False)[0].token_ids
+        == reference_generate(m, [[5, 6, 7]], max_new_tokens=3, do_sample=False)[0]
+    )

@@ -1324,3 +1324,43 @@ def test_a_client_that_leaves_while_sending_its_body_is_no_server_error(model, t
             time.sleep(0.05)
         good_request(OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60))
     assert not [r for r in caplog.records if "Exception in ASGI application" in r.getMessage()]
+
+
+def test_a_request_meeting_an_unpatch_inside_its_checks_gets_a_503(tokenizer, monkeypatch):
+    # an unpatch (another thread) landing after add_requests' checks passed: the request used to fail with a bare
+    # ReferenceError (a 500), or join the old, detached engine whose next step failed inside the forward (500 "the
+    # engine step failed"; under load, session 36's server probe); the closed engine now refuses it:
+    # "unavailable", the front end's 503
+    import queue
+    import threading
+
+    import hfpaged.engine as engine_module
+    from hfpaged.serve.engine_loop import EngineLoop
+    from hfpaged.serve.errors import model_unpatched
+    from hfpaged.serve.messages import Added, AddRequests, Submission
+
+    m = make_model("llama", vocab_size=len(tokenizer), seed=3)
+    hfpaged.patch(m, num_blocks=64, block_size=4, tokenizer=tokenizer)
+    loop, inbox = EngineLoop(m, tokenizer), queue.SimpleQueue()
+    loop.sends, loop.open_sources = [inbox.put], {0}  # stepped from this thread (no engine thread)
+    real, fired = engine_module.EngineCore.check_weights, []
+
+    def checks(core, model):
+        real(core, model)
+        if not fired:  # the checks have passed: the model is unpatched before the request joins
+            fired.append(1)
+            thread = threading.Thread(target=hfpaged.unpatch, args=(m,))
+            thread.start()
+            thread.join()
+
+    monkeypatch.setattr(engine_module.EngineCore, "check_weights", checks)
+    loop._add([(0, AddRequests(1, [Submission("A", [5, 6, 7], dict(max_new_tokens=4), 1)]))])
+    monkeypatch.undo()
+    messages = []
+    while not inbox.empty():
+        messages.append(inbox.get())
+    added = [x for x in messages if isinstance(x, Added)]
+    assert fired and len(added) == 1 and added[0].error[0] == "unavailable", added
+    assert not loop.engine.has_unfinished() and loop.engine.core.closed
+    error = model_unpatched()
+    assert error.status_code == 503 and "not patched now" in str(error)

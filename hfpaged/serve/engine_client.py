@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import APIError, invalid_request, not_started, queue_full, shutting_down
+from .errors import APIError, invalid_request, model_unpatched, not_started, queue_full, shutting_down
 from .messages import (
     AbortRequests,
     Added,
@@ -126,6 +126,8 @@ class EngineClient:
                 raise invalid_request(message) from None
             if kind == "queue_full":  # the engine's bound, over every front end's requests
                 raise queue_full(self.max_waiting)
+            if kind == "unavailable":
+                raise model_unpatched()
             raise APIError(f"The engine failed to add the request: {message}", status_code=500, type="server_error")
         self.metrics.prompt_tokens.inc(sum(len(s.prompt_token_ids) for s in submissions))
         self.metrics.api_server_requests.inc()

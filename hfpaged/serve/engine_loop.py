@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..engine import Engine
+from ..engine import Engine, ModelUnpatched
 from ..patch import patch
 from ..patch import stats as pool_stats
 from ..prompt_forms import UnpaddedIds
@@ -264,7 +264,8 @@ class EngineLoop:
             try:
                 self._add_submissions([(source, command)])
             except Exception as exc:  # ValueError/TypeError: a bad setting; the handler answers 400
-                error = ("invalid" if isinstance(exc, (ValueError, TypeError)) else "error", str(exc))
+                kind = "unavailable" if isinstance(exc, ModelUnpatched) else "error"  # (mid re-patch: a 503)
+                error = ("invalid" if isinstance(exc, (ValueError, TypeError)) else kind, str(exc))
             self._send(source, Added(command.tag, error))
 
     def _admit(self, commands: list[tuple[int, AddRequests]]) -> list[tuple[int, AddRequests]]:

@@ -54,6 +54,16 @@ def queue_full(max_waiting: int) -> APIError:
     )
 
 
+def model_unpatched() -> APIError:
+    """A 503 for a request that met the model unpatched, or between the two halves of a re-patch."""
+    return APIError(
+        "The model is not patched now (unpatched, or being patched again). Retry later.",
+        status_code=503,
+        type="server_error",
+        code="model_unpatched",
+    )
+
+
 def shutting_down() -> APIError:
     """A 503 for requests that arrive while the server stops."""
     return APIError("The server is shutting down.", status_code=503, type="server_error", code="shutting_down")

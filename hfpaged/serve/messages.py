@@ -80,8 +80,8 @@ class StopEngine:
 @dataclass
 class Added:
     """The answer to ``AddRequests``: ``error`` is None, or (kind, message) with kind "invalid" (a bad setting:
-    the engine's ValueError/TypeError, a 400), "queue_full" (``max_waiting`` over all front ends, a 429) or
-    "error" (anything else, a 500)."""
+    the engine's ValueError/TypeError, a 400), "queue_full" (``max_waiting`` over all front ends, a 429),
+    "unavailable" (the model unpatched, or mid re-patch, a 503) or "error" (anything else, a 500)."""
 
     tag: int
     error: tuple[str, str] | None = None
