@@ -199,7 +199,7 @@ class EngineLoop:
         if old.outbox:
             self._ship(old.step())
         self._fail_all("the model was unpatched or patched again while it ran")
-        with contextlib.suppress(Exception):  # a request added between the unpatch's aborts and the detach
+        with contextlib.suppress(Exception):  # (unpatch ended them all under the engine's lock: what it left)
             old.abort_all()
         old.prompts.clear()  # nothing of the old handle is reported any more: the loop must not step it
         if engine is not None:
