@@ -159,6 +159,27 @@ def test_generation_under_train_mode_has_no_dropout_and_keeps_the_mode():
     assert model.training and all(m.training for m in model.modules())
 
 
+def test_an_adapters_dropout_left_in_train_mode_under_an_eval_model_is_not_applied():
+    # PEFT builds a new adapter's lora_dropout modules in training mode, also under a model in eval mode: the steps
+    # looked at the model's own flag only, so they applied that dropout (random tokens) and published its prefix
+    # blocks, which later calls in eval mode were served (session 36's training-loop probe)
+    dropout = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.5)
+    model = lora(make_model("llama", seed=3))
+    model.eval()
+    hfpaged.patch(model, num_blocks=96, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    prompts = random_prompts([13, 21], seed=2)  # whole blocks of 4: cached prefixes
+    model = lora(model, "other", seed=9, config=dropout)
+    model.set_adapter("other")
+    inner = model.get_base_model()
+    assert not inner.training and any(m.training for n, m in inner.named_modules() if n.endswith("lora_dropout.other"))
+    modes = {name: m.training for name, m in model.named_modules()}
+    first, second = greedy(model, prompts), greedy(model, prompts)
+    assert {name: m.training for name, m in model.named_modules()} == modes  # put back after the steps
+    model.eval()
+    expected = stock(model, prompts)
+    assert first == second == expected and greedy(model, prompts) == expected
+
+
 def test_sleep_releases_the_pool_and_the_next_call_brings_it_back():
     model = make_model("llama", seed=9)
     prompts = random_prompts([7, 15], seed=10)

@@ -197,7 +197,7 @@ class ModelRunner:
         state = self.state
         with (
             paged_forward(state.attn_configs, state.forward_lock),
-            eval_mode(self.model),
+            eval_mode(self.model, state.weights.modules),
             local_step(state.local_tp),
             fused_step(state.fused_projections),
             long_rope_step(state.long_rope),
