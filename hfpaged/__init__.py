@@ -6,7 +6,7 @@ results = model.generate_many(prompts, tokenizer=tok, max_new_tokens=64)
 """
 
 from .core.config import EngineConfig
-from .engine import Engine
+from .engine import Engine, ModelUnpatched
 from .generate import generate_many
 from .model.attention import UnsupportedModelError
 from .outputs import GenerationResult, RequestOutput, SequenceOutput
@@ -18,6 +18,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "GenerationResult",
+    "ModelUnpatched",
     "RequestOutput",
     "SequenceOutput",
     "Server",

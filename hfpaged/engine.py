@@ -58,12 +58,12 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.kv, state.max_model_len, state.position_table)
         self.runner = ModelRunner(model, state)
         self.prompts = PromptMaker(model, state)
-        self.prompts.in_use = self.scheduler.requests.__contains__  # generated ids skip the ids callers chose
         self.lock = threading.RLock()
         self.in_flight: tuple[SchedulerOutput, StepResult] | None = None  # launched, result not read yet
         # prompt id -> (its client, held weakly, and its first request); a client dropped with prompts unfinished
         # (an Engine handle let go) leaves their ids in ``orphans``: the next step (or sleep, stats) aborts them
         self.owners: dict[str, tuple[weakref.ref[Client], Request]] = {}
+        self.prompts.in_use = self.owners.__contains__  # generated ids skip the prompts not finished yet
         self.orphans: deque[str] = deque()
         self.timings: dict[str, float] = defaultdict(float)  # host seconds per step phase, and "steps"
         self.num_overlapped_steps = 0  # steps whose result was read during the next step
@@ -253,28 +253,28 @@ class EngineCore:
         state = self.state
         try:
             check_attention_implementation(state.attn_configs)
-        except ReferenceError:  # the model was unpatched, or patched again, since this handle was made
+            warn_if_autocast()
+            changed, rewired = state.weights.check(model)
+            if changed:
+                with self.lock:
+                    # resize_token_embeddings: prompts and token lists are checked against the vocabulary as it is now
+                    state.vocab_size = model.get_input_embeddings().weight.shape[0]
+                    self.kv.reset_prefix_cache()
+                    if state.kv_scale_source == "calibration":
+                        state.recalibrate_when_idle = True
+                    if rewired:  # model.to(dtype), a layer added / replaced / reused
+                        self.runner.drop_graphs()
+                        state.moved = rewired_message(model, state)
+            refresh_length_limit(model, state)
+            if state.moved:
+                raise ValueError(state.moved)
+            if state.recalibrate_when_idle:
+                with self.lock:
+                    if not self.has_unfinished():  # fp8: new weights, new K/V ranges; no block holds old KV
+                        state.calibration_pending, state.recalibrate_when_idle = True, False
+                        self.kv.reset_prefix_cache()  # blocks stored since the change hold the old scales' values
+        except ReferenceError:  # the model was unpatched, or patched again, since this handle was made (or meanwhile)
             raise ModelUnpatched(UNPATCHED) from None
-        warn_if_autocast()
-        changed, rewired = state.weights.check(model)
-        if changed:
-            with self.lock:
-                # resize_token_embeddings: prompts and token lists are checked against the vocabulary as it is now
-                state.vocab_size = model.get_input_embeddings().weight.shape[0]
-                self.kv.reset_prefix_cache()
-                if state.kv_scale_source == "calibration":
-                    state.recalibrate_when_idle = True
-                if rewired:  # model.to(dtype), a layer added / replaced / reused
-                    self.runner.drop_graphs()
-                    state.moved = rewired_message(model, state)
-        refresh_length_limit(model, state)
-        if state.moved:
-            raise ValueError(state.moved)
-        if state.recalibrate_when_idle:
-            with self.lock:
-                if not self.has_unfinished():  # fp8: new weights, new K/V ranges; no block holds old KV
-                    state.calibration_pending, state.recalibrate_when_idle = True, False
-                    self.kv.reset_prefix_cache()  # blocks stored since the change hold the old scales' values
 
 
 def _orphaned(orphans: deque[str], prompts: dict[str, Request]) -> None:
@@ -393,7 +393,7 @@ class Engine(Client):
                             f"request_id must be a string without '.', got {request_id!r} (hfpaged names the "
                             "parallel samples and beams of a prompt '<request_id>.<n>')"
                         )
-                    if request_id is not None and (request_id in self.core.scheduler.requests or request_id in taken):
+                    if request_id is not None and (request_id in self.core.owners or request_id in taken):
                         raise ValueError(f"request_id {request_id!r} is already in use")
                     if request_id is None:
                         request_id = self.core.prompts.new_id(chosen | taken)

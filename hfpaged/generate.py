@@ -10,7 +10,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from .core.request import Request
-from .engine import Client, engine_of
+from .engine import UNPATCHED, Client, ModelUnpatched, engine_of
 from .model.tensor_parallel import making_requests
 from .outputs import GenerationResult, SequenceOutput
 from .prompt_forms import prompt_list
@@ -72,13 +72,16 @@ def prepare(
 ) -> tuple[Client, list[Request], Any]:
     """A client on the model's engine and the validated requests of a call (not queued yet); the tokenizer."""
     core = engine_of(model)
-    with making_requests(core.state):  # tensor parallel: a rank's refusal is every rank's
-        kwargs = dict(kwargs)
-        prompts = prompt_list(prompts, kwargs)
-        core.check_weights(model)
-        check_tokenizer(tokenizer)
-        tokenizer = tokenizer if tokenizer is not None else core.state.tokenizer
-        requests = core.prompts.make_many(prompts, generation_config, kwargs, tokenizer)
+    try:
+        with making_requests(core.state):  # tensor parallel: a rank's refusal is every rank's
+            kwargs = dict(kwargs)
+            prompts = prompt_list(prompts, kwargs)
+            core.check_weights(model)
+            check_tokenizer(tokenizer)
+            tokenizer = tokenizer if tokenizer is not None else core.state.tokenizer
+            requests = core.prompts.make_many(prompts, generation_config, kwargs, tokenizer)
+    except ReferenceError:  # unpatched by another thread meanwhile
+        raise ModelUnpatched(UNPATCHED) from None
     return Client(core), requests, tokenizer
 
 

@@ -306,3 +306,31 @@ def test_an_unpatch_after_a_handles_checks_refuses_its_request_and_steps_nothing
         m.generate_many([[5, 6, 7]], max_new_tokens=3, do_sample=False)[0].token_ids
         == reference_generate(m, [[5, 6, 7]], max_new_tokens=3, do_sample=False)[0]
     )
+
+
+@pytest.mark.parametrize("call", ["add_request", "generate_many"])
+def test_an_unpatch_during_a_calls_checks_is_named(call, monkeypatch):
+    # an unpatch landing inside the weights check (after its first look at the state) ended the call with a bare
+    # ReferenceError ("weakly-referenced object no longer exists"), which callers catching ModelUnpatched miss
+    import threading
+
+    import hfpaged.engine as engine_module
+
+    m = make_model("llama")
+    hfpaged.patch(m, num_blocks=32, block_size=4)
+    real = engine_module.warn_if_autocast
+
+    def unpatch_now():
+        monkeypatch.setattr(engine_module, "warn_if_autocast", real)
+        thread = threading.Thread(target=hfpaged.unpatch, args=(m,))
+        thread.start()
+        thread.join()
+
+    engine = hfpaged.Engine(m)
+    monkeypatch.setattr(engine_module, "warn_if_autocast", unpatch_now)
+    with pytest.raises(hfpaged.ModelUnpatched, match="unpatched or patched again"):
+        if call == "add_request":
+            engine.add_request([5, 6, 7], max_new_tokens=3)
+        else:
+            m.generate_many([[5, 6, 7]], max_new_tokens=3)
+    assert not hasattr(m, "_hfpaged")

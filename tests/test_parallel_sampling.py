@@ -217,3 +217,33 @@ def test_settings_that_cannot_run_raise_clearly(kwargs, message):
         m.generate_many([[4, 5]], max_new_tokens=3, **kwargs)
     with pytest.raises(ValueError, match="streams one sequence"):
         m.generate_many([[4, 5]], max_new_tokens=3, num_return_sequences=2, do_sample=True, streamer=object())
+
+
+def test_a_prompt_id_stays_taken_while_any_of_its_sequences_runs():
+    # once a prompt's first sequence (whose id is the prompt's) had finished, its id counted as free while the
+    # second still ran: another handle could take it (chosen, or generated as "req-N"), the forked "x.1" names
+    # clashed, outputs went to the wrong handle and an abort left a request running outside the table
+    m = make_model("llama", seed=7)
+    hfpaged.patch(m, async_scheduling=False)
+    prompt = [69, 25, 69, 34, 36, 28, 13, 29, 59, 16, 93]
+    settings = dict(max_new_tokens=30, do_sample=True, seed=1, num_return_sequences=2, eos_token_id=87)
+    a, b = hfpaged.Engine(m), hfpaged.Engine(m)
+    number = int(b.add_request([5, 6, 7], max_new_tokens=1).split("-")[1])
+    while b.has_unfinished():
+        b.step()
+    chosen = f"req-{number + 2}"  # what b's second generated id would be
+    a.add_request(prompt, request_id=chosen, **settings)
+    while not any(out.finished for out in a.step()):
+        pass
+    assert list(a.core.scheduler.requests) == [f"{chosen}.1"]  # the case under test: the first finished
+    with pytest.raises(ValueError, match=f"request_id '{chosen}' is already in use"):
+        b.add_request(prompt, request_id=chosen, **settings)
+    generated = [b.add_request([5, 6, 7], max_new_tokens=20) for _ in range(2)]
+    assert chosen not in generated
+    finished_a, finished_b = [], []
+    while a.has_unfinished() or b.has_unfinished():
+        finished_a += [out.request_id for out in a.step() if out.finished]
+        finished_b += [out.request_id for out in b.step() if out.finished]
+    assert finished_a == [f"{chosen}.1"] and sorted(finished_b) == sorted(generated)
+    st = hfpaged.stats(m)
+    assert st["num_free_blocks"] == st["num_blocks"] and st["num_running_requests"] == 0

@@ -264,7 +264,7 @@ class EngineLoop:
             try:
                 self._add_submissions([(source, command)])
             except Exception as exc:  # ValueError/TypeError: a bad setting; the handler answers 400
-                kind = "unavailable" if isinstance(exc, ModelUnpatched) else "error"  # (mid re-patch: a 503)
+                kind = "unavailable" if isinstance(exc, (ModelUnpatched, ReferenceError)) else "error"  # (a 503)
                 error = ("invalid" if isinstance(exc, (ValueError, TypeError)) else kind, str(exc))
             self._send(source, Added(command.tag, error))
 
