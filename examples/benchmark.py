@@ -200,8 +200,8 @@ def cold_start_child(name: str, compile: bool | None, compile_cache_dir: str | N
     done = time.perf_counter()
     runner = model._hfpaged.engine.runner
     times = {"load_s": loaded - start, "patch_s": patched - loaded, "patch_to_first_result_s": done - loaded}
-    times["kernel_warmup_s"] = runner.warmup_seconds  # our Triton kernels' compile
-    times["kernel_warmup_processes"] = runner.compile_ahead  # of it, compiles in worker processes (counts)
+    times["kernel_warmup_s"] = runner.kernel_warmup.seconds  # our Triton kernels' compile
+    times["kernel_warmup_processes"] = runner.kernel_warmup.stats  # of it, compiles in worker processes (counts)
     times["capture_decode_s"] = runner.capture_seconds["decode"]  # torch.compile of the layers included
     times["capture_mixed_s"] = runner.capture_seconds["mixed"]
     times["compiled_layers"] = runner.compile

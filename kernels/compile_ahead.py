@@ -10,6 +10,11 @@ and skipped (no compile, no launch). The ones not yet in the on-disk cache are c
 caller's ``__main__``, no CUDA; each loads only this package, torch and Triton); then the warm-up's launches run as
 before and find every compile in the cache. Anything that fails here leaves its variant to that in-process pass, which raises real
 errors as it always did; ``HFPAGED_WARMUP_PROCESSES=0`` turns this off.
+
+``start_compile_ahead`` returns while the workers run (the runner's first layer compile, dynamo's tracing and
+Inductor's, needs none of these kernels and runs beside them): until ``Ahead.join()``, a Triton-global
+``jit_cache_hook`` makes any in-process compile of this package's kernels, in any thread, join the workers first, so
+that compile finds their entry instead of doing the work twice.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 from ._checks import interpreting
 
@@ -63,14 +69,7 @@ def record_compiles(launch_all) -> list[dict]:
         previous = knobs.runtime.jit_cache_hook
         serialize = getattr(jit_module, "serialize_specialization_data", None)
 
-        def lenient(*args, **kwargs):
-            # With a hook set, Triton serialises every compile's specialisation to JSON before calling it, in every
-            # thread; another thread's kernel with a constant JSON cannot hold (a jit function passed as constexpr)
-            # would raise there: its compile then goes on without the data (this hook passes it through)
-            try:
-                return serialize(*args, **kwargs)
-            except (TypeError, ValueError):
-                return None
+        lenient = _lenient(serialize)  # another thread's compile meanwhile: see _lenient
 
         def hook(**kwargs):
             fn, data = kwargs["fn"], kwargs["compile"].get("specialization_data")
@@ -141,18 +140,24 @@ def _is_cached(job: dict, target) -> bool:
 
 
 def compile_ahead(launch_all, device, processes: int | None = None) -> dict:
-    """Compile the Triton variants ``launch_all()`` would compile in worker processes (see the module docstring);
-    the caller then runs ``launch_all()`` itself. Returns counts: recorded, missing from the disk cache, worker
-    processes, still missing after them (those compile in the caller's pass); the workers' longest compile and
-    their compiles' total (seconds)."""
+    """Compile the Triton variants ``launch_all()`` would compile in worker processes and wait for them (see the
+    module docstring); the caller then runs ``launch_all()`` itself. Returns counts: recorded, missing from the disk
+    cache, worker processes, still missing after them (those compile in the caller's pass); the workers' longest
+    compile and their compiles' total (seconds)."""
+    return start_compile_ahead(launch_all, device, processes).join()
+
+
+def start_compile_ahead(launch_all, device, processes: int | None = None) -> Ahead:
+    """``compile_ahead`` without the wait: the workers run on until ``join()`` (or an in-process compile of one of
+    this package's kernels, which joins them first)."""
     from triton import knobs
 
     processes = WARMUP_PROCESSES if processes is None else processes
     stats = {"recorded": 0, "missing": 0, "workers": 0, "still_missing": 0, "slowest_compile_s": 0.0, "compile_s": 0.0}
     if device.type != "cuda" or processes < 1 or interpreting() or knobs.compilation.always_compile:
-        return stats
+        return Ahead(stats)
     if getattr(sys, "frozen", False):  # a frozen application: sys.executable is the application, not Python
-        return stats
+        return Ahead(stats)
     from triton.runtime import driver
 
     jobs = record_compiles(launch_all)
@@ -162,22 +167,103 @@ def compile_ahead(launch_all, device, processes: int | None = None) -> dict:
         missing = [job for job in jobs if not _is_cached(job, target)]
     except Exception:  # an internal of another Triton version: leave every compile to the caller's pass
         logger.debug("hfpaged: compile_ahead could not read Triton's cache", exc_info=True)
-        return {**stats, "recorded": len(jobs)}
+        return Ahead({**stats, "recorded": len(jobs)})
     stats.update(recorded=len(jobs), missing=len(missing))
     if len(missing) < MIN_JOBS:
-        return stats
+        return Ahead(stats)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     workers = min(processes, cores, len(missing))  # the cores this process may run on
     stats["workers"] = workers
     try:
-        seconds = _run_workers(sorted(missing, key=_cost, reverse=True), target, workers)
+        started = _Workers(sorted(missing, key=_cost, reverse=True), target, workers)
     except Exception:  # the workers could not start (or their directory failed): the caller's pass compiles all
         logger.debug("hfpaged: compile_ahead's workers failed", exc_info=True)
-        seconds = []
-    stats["still_missing"] = sum(not _is_cached(job, target) for job in missing)
-    stats["slowest_compile_s"] = round(max(seconds, default=0.0), 2)
-    stats["compile_s"] = round(sum(seconds), 2)  # over all workers
-    return stats
+        return Ahead({**stats, "still_missing": len(missing)})
+    return Ahead(stats, started, missing, target)
+
+
+class Ahead:
+    """The warm-up's compiles in worker processes: ``stats`` (``compile_ahead``'s counts), complete once ``join()``
+    returned; ``running`` while the workers may still run. While they run, Triton's ``jit_cache_hook`` (every thread)
+    joins them before any compile of this package's kernels in this process; ``join()`` takes it off again."""
+
+    def __init__(self, stats: dict, workers: _Workers | None = None, missing=(), target=None):
+        self.stats = stats
+        self.started = time.perf_counter()
+        self._workers = workers
+        self._missing = list(missing)
+        self._target = target
+        self._lock = threading.Lock()
+        self._release = _hold_compiles(self.join) if workers is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._workers is not None
+
+    def join(self) -> dict:
+        """Wait for the workers (once; any thread), take the hook off, and complete ``stats``."""
+        with self._lock:
+            workers, self._workers = self._workers, None
+            if workers is None:
+                return self.stats
+            start = time.perf_counter()
+            try:
+                seconds = workers.wait()
+            except Exception:  # their directory failed: the caller's pass compiles what is missing
+                logger.debug("hfpaged: compile_ahead's workers failed", exc_info=True)
+                seconds = []
+            finally:
+                self._release()
+            self.stats["still_missing"] = sum(not _is_cached(job, self._target) for job in self._missing)
+            self.stats["slowest_compile_s"] = round(max(seconds, default=0.0), 2)
+            self.stats["compile_s"] = round(sum(seconds), 2)  # over all workers
+            self.stats["join_wait_s"] = round(time.perf_counter() - start, 2)  # how long the joining thread waited
+            return self.stats
+
+
+def _hold_compiles(join):
+    """Set Triton's ``jit_cache_hook`` so that a compile of this package's kernels, in any thread, calls ``join()``
+    first and then goes on (a cache hit once the workers wrote it); returns the function that takes it off (or, if
+    another hook was set over it meanwhile, leaves it passing everything through)."""
+    import triton.runtime.jit as jit_module
+    from triton import knobs
+
+    previous = knobs.runtime.jit_cache_hook
+    serialize = getattr(jit_module, "serialize_specialization_data", None)
+    active = [True]
+
+    def hook(**kwargs):
+        if active[0] and kwargs["fn"].module.startswith(PACKAGE + "."):
+            join()
+        return previous(**kwargs) if previous is not None else None
+
+    lenient = _lenient(serialize)
+    knobs.runtime.jit_cache_hook = hook
+    if serialize is not None:
+        jit_module.serialize_specialization_data = lenient
+
+    def release():
+        active[0] = False
+        if knobs.runtime.jit_cache_hook is hook:
+            knobs.runtime.jit_cache_hook = previous
+        if serialize is not None and jit_module.serialize_specialization_data is lenient:
+            jit_module.serialize_specialization_data = serialize
+
+    return release
+
+
+def _lenient(serialize):
+    """``serialize`` returning None where it raises: with a hook set, Triton serialises every compile's
+    specialisation to JSON before calling it, in every thread; a kernel with a constant JSON cannot hold (Triton 3.6:
+    a jit function passed as constexpr) would raise there, and its compile then goes on without the data."""
+
+    def lenient(*args, **kwargs):
+        try:
+            return serialize(*args, **kwargs)
+        except (TypeError, ValueError):
+            return None
+
+    return lenient
 
 
 def _on(device):
@@ -217,35 +303,61 @@ importlib.import_module(package + ".compile_ahead")._worker(sys.argv[3])
 def _run_workers(jobs: list[dict], target, workers: int) -> list[float]:
     """Compile ``jobs`` in ``workers`` processes, each taking the next unclaimed job in order; the seconds each
     compile took (failed ones excluded)."""
-    package_dir = os.path.dirname(os.path.abspath(__file__))
-    with tempfile.TemporaryDirectory(prefix="hfpaged-compile-") as tmp:
-        path = os.path.join(tmp, "jobs.json")
-        with open(path, "w") as f:
-            json.dump({"target": target.__dict__, "jobs": jobs}, f)
-        procs = []
+    return _Workers(jobs, target, workers).wait()
+
+
+class _Workers:
+    """``count`` worker processes started on ``jobs`` (each takes the next unclaimed job in order); ``wait()``."""
+
+    def __init__(self, jobs: list[dict], target, count: int):
+        package_dir = os.path.dirname(os.path.abspath(__file__))
+        self._tmp = tempfile.TemporaryDirectory(prefix="hfpaged-compile-")
+        self.procs: list[subprocess.Popen] = []
         try:
-            for i in range(workers):
+            path = os.path.join(self._tmp.name, "jobs.json")
+            with open(path, "w") as f:
+                json.dump({"target": target.__dict__, "jobs": jobs}, f)
+            for i in range(count):
                 cmd = [sys.executable, "-c", _BOOT, PACKAGE, package_dir, path]
-                with open(os.path.join(tmp, f"worker{i}.log"), "w") as log:  # the child keeps its own descriptor
-                    # a session of its own: an interrupted caller kills the worker with its ptxas (killpg below)
-                    procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                  start_new_session=True))  # fmt: skip
-            for proc in procs:
+                with open(self._log(i), "w") as log:  # the child keeps its own descriptor
+                    # a session of its own: an interrupted caller kills the worker with its ptxas (_kill)
+                    self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                       stdin=subprocess.DEVNULL, start_new_session=True))  # fmt: skip
+        except BaseException:
+            self._kill()
+            self._tmp.cleanup()
+            raise
+
+    def _log(self, i: int) -> str:
+        return os.path.join(self._tmp.name, f"worker{i}.log")
+
+    def _kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:  # the caller was interrupted: no worker outlives it
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-        finally:
-            for proc in procs:
-                if proc.poll() is None:  # the caller was interrupted: no worker outlives it
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
+
+    def wait(self) -> list[float]:
+        """Wait for every worker; the seconds each compile took (failed ones excluded)."""
+        try:
+            try:
+                for proc in self.procs:
                     proc.wait()
-        seconds = []
-        for i, proc in enumerate(procs):
-            with open(os.path.join(tmp, f"worker{i}.log")) as f:
-                text = f.read()
-            seconds += [float(line.split()[2]) for line in text.splitlines() if line.startswith("hfpaged-compiled ")]
-            if proc.returncode != 0:
-                logger.debug("hfpaged: compile worker %d exited with %s:\n%s", i, proc.returncode, text[-2000:])
-    return seconds
+            finally:
+                self._kill()
+            seconds = []
+            for i, proc in enumerate(self.procs):
+                with open(self._log(i)) as f:
+                    text = f.read()
+                seconds += [
+                    float(line.split()[2]) for line in text.splitlines() if line.startswith("hfpaged-compiled ")
+                ]
+                if proc.returncode != 0:
+                    logger.debug("hfpaged: compile worker %d exited with %s:\n%s", i, proc.returncode, text[-2000:])
+            return seconds
+        finally:
+            self._tmp.cleanup()
 
 
 def _worker(path: str) -> None:

@@ -66,7 +66,7 @@ def launch(rows, vocab, warmup=False, dtype=torch.float32, chunk_kernel=True, wa
     row = argmax._row_argmax_kernel
     args = (x, top, index, vocab, n, x.stride(0))
     if warmup:  # compiles without launching (the stand-in driver cannot launch)
-        return chunk.warmup(*args, CHUNK=CHUNK, NO_INDEX=NO_INDEX, num_warps=4, grid=(1,))
+        return chunk.warmup(*args, CHUNK=CHUNK, NO_INDEX=NO_INDEX, num_warps=warps, grid=(1,))
     if chunk_kernel:
         chunk[(rows, n)](*args, CHUNK=CHUNK, NO_INDEX=NO_INDEX, num_warps=warps)
     row[(rows,)](top, index, out, n, CHUNKS_PAD=16 if n <= 16 else 64, NO_INDEX=NO_INDEX, num_warps=4)
@@ -101,6 +101,18 @@ again = compile_ahead.compile_ahead(
 target = driver.active.get_current_target()
 bogus = {"module": "hfpaged.kernels.argmax", "name": "_row_argmax_kernel", "data": "{}"}
 bogus_seconds = compile_ahead._run_workers([bogus], target, 1)
+# workers left running (start_compile_ahead): an in-process compile of one of their variants, in another thread,
+# joins them first and then finds their entry; the hook is then taken off
+held_hits = []
+knobs.compilation.listener = lambda **kw: held_hits.append(kw["cache_hit"])
+ahead = compile_ahead.start_compile_ahead(  # four new chunk variants (1 or 2 warps)
+    lambda: [launch(r, v, warps=w) for r, v in SHAPES for w in (1, 2)], torch.device("cuda"), processes=2
+)
+held = {"running": ahead.running, "hooked": knobs.runtime.jit_cache_hook is not None}
+joiner = threading.Thread(target=lambda: launch(*SHAPES[1], warmup=True, warps=2))
+joiner.start()
+joiner.join()
+held.update(running_after=ahead.running, hook_after=knobs.runtime.jit_cache_hook, hits=held_hits, stats=ahead.join())
 # workers that cannot start: nothing raised, every variant left to the caller's pass
 import subprocess
 
@@ -120,6 +132,7 @@ print(json.dumps({
     "serializer_restored": jit_module.serialize_specialization_data is strict_serialize, "hits": hits, "other_compiled": other["kernel"] is not None,
     "recording_in_launch_all": other["in_run_all"], "recording_after": compile_ahead.recording(),
     "previous_hook_calls": previous_calls, "hook_restored": hook_after is not None and hook_after.__name__ == "<lambda>",
+    "held": held,
 }))
 """
 
@@ -163,6 +176,14 @@ def test_compiles_in_workers_are_the_jit_paths_cache_hits(tmp_path):
     assert result["serializer_restored"] is True
     unstarted = result["unstarted"]
     assert unstarted["missing"] >= 4 and unstarted["still_missing"] == unstarted["missing"], unstarted
+    # workers left running (four chunk variants; the two row ones are on disk): the hook was set while they ran; another thread's compile of one of their variants
+    # joined them (they are done, the hook is off) and was a cache hit
+    held = result["held"]
+    assert held["running"] is True and held["hooked"] is True, held
+    assert held["running_after"] is False and held["hook_after"] is None and held["hits"] == [True], held
+    stats = held["stats"]
+    assert (stats["recorded"], stats["missing"], stats["workers"], stats["still_missing"]) == (6, 4, 2, 0), stats
+    assert stats["join_wait_s"] >= 0 and stats["compile_s"] > 0, stats
 
 
 def test_processes_setting_is_checked(monkeypatch):
@@ -200,13 +221,23 @@ prompts = random_prompts([5, 17, 40, 9], seed=7)
 expected = reference_generate(model, prompts, max_new_tokens=16, do_sample=False)
 hfpaged.patch(model, num_blocks=64, block_size=8, max_num_seqs=8)
 runner = model._hfpaged.engine.runner
-hits = []
-knobs.compilation.listener = lambda **kw: hits.append(kw["cache_hit"])
-runner.warmup()  # its own pass: every Triton compile should find the workers' entry
-warmup_hits = list(hits)
+warm = runner.kernel_warmup
+ours = []  # (cache hit, during the warm-up's own pass) of each compile of our kernels in this process
+in_pass = [False]
+knobs.compilation.listener = lambda **kw: ours.append((kw["cache_hit"], in_pass[0])) if getattr(
+    getattr(kw["src"], "fn", None), "module", "").startswith("hfpaged.kernels") else None
+launch_all = warm._launch_all
+
+
+def own_pass():
+    in_pass[0] = True
+    launch_all()
+    in_pass[0] = False
+
+
+warm._launch_all = own_pass
 results = model.generate_many(prompts, max_new_tokens=16, do_sample=False)
-print(json.dumps({"stats": runner.compile_ahead, "warmup_hits": warmup_hits,
-                  "parity": [r.token_ids for r in results] == expected}))
+print(json.dumps({"stats": warm.stats, "ours": ours, "parity": [r.token_ids for r in results] == expected}))
 """
 
 
@@ -215,8 +246,10 @@ print(json.dumps({"stats": runner.compile_ahead, "warmup_hits": warmup_hits,
 def test_runner_warm_up_compiles_in_workers_then_only_hits(tmp_path):
     from hfpaged.kernels import compile_ahead
 
-    # A fresh process with an empty Triton cache: the runner's warm-up records its variants, the workers compile
-    # all of them, and its own pass then compiles nothing (every compile a cache hit); tokens as stock generate's.
+    # A fresh process with an empty Triton cache, compiled layers (the CUDA default): the runner's warm-up records its
+    # variants and leaves the workers running beside the first layer compile; they are joined before that forward
+    # compiles any of our kernels here, so its first such compile is a cache hit (not done twice), and so is every
+    # compile of the warm-up's own pass after it; tokens as stock generate's.
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), HFPAGED_WARMUP_PROCESSES="4")
     script = tmp_path / "script.py"
     script.write_text(GPU_SCRIPT)
@@ -226,6 +259,51 @@ def test_runner_warm_up_compiles_in_workers_then_only_hits(tmp_path):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     stats = result["stats"]
     assert stats["recorded"] >= compile_ahead.MIN_JOBS and stats["missing"] == stats["recorded"], stats
-    assert stats["workers"] == 4 and stats["still_missing"] == 0, stats
-    assert result["warmup_hits"] and all(result["warmup_hits"]), result["warmup_hits"]
+    assert stats["workers"] == 4 and stats["still_missing"] == 0 and "joined_after_s" in stats, stats
+    ours = result["ours"]
+    assert ours and ours[0] == [True, False], ours  # the layer compile's forward: joined, then a hit
+    in_pass = [hit for hit, during in ours if during]
+    assert in_pass and all(in_pass), ours
     assert result["parity"] is True
+
+
+class _FakeAhead:
+    def __init__(self, running):
+        self.running, self.started, self.stats, self.joins = running, 0.0, {"workers": 2 if running else 0}, 0
+
+    def join(self):
+        self.joins += 1
+        self.running = False
+        return self.stats
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_kernel_warm_up_joins_once_and_launches_once(monkeypatch, overlap):
+    # The runner's warm-up (hfpaged/model/kernel_warmup.py) without a GPU: workers left running with compiled layers
+    # (overlap); finish(launch=False) (drop_graphs) joins them only; the warm-up's own launches run once, at the first
+    # finish() that may launch; without overlap start() finishes at once.
+    import types
+
+    import torch
+
+    from hfpaged.kernels import compile_ahead
+    from hfpaged.model import kernel_warmup
+
+    aheads, launches = [], []
+    monkeypatch.setattr(
+        compile_ahead, "start_compile_ahead", lambda launch_all, device: aheads.append(_FakeAhead(True)) or aheads[-1]
+    )
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    state = types.SimpleNamespace(use_triton=True)
+    warm = kernel_warmup.KernelWarmup(state, torch.device("cuda", 0))
+    monkeypatch.setattr(warm, "_launch_all", lambda: launches.append(1))
+    warm.start(overlap=overlap)
+    assert warm.started and len(aheads) == 1
+    if overlap:
+        assert (aheads[0].joins, launches) == (0, [])  # the workers run on beside the layer compile
+        warm.finish(launch=False)
+        assert (aheads[0].joins, launches) == (1, [])
+    warm.finish()
+    warm.finish()
+    assert (aheads[0].joins, launches) == (1, [1])
+    assert "joined_after_s" in warm.stats and warm.seconds >= 0

@@ -30,6 +30,7 @@ from .cuda_graphs import StepGraphs, short_prompt_hint
 from .fused_projections import fused_step
 from .gc_heap import HeapFreeze
 from .input_batch import DeviceStep, HostStep, InputBatch, device_views, padded_width, region_slices
+from .kernel_warmup import KernelWarmup
 from .kv_quant import as_bytes, calibration_step
 from .long_rope import long_rope_step
 from .tp_local import local_step
@@ -75,9 +76,7 @@ class ModelRunner:
         self._gemv = getattr(state.fused_projections, "num_gemv", 0) > 0  # one-row projections by the GEMV
         self._compiled = None
         self._compile_cache = None  # compile: the on-disk artifacts (compile_cache.py), found at first use
-        self._warmed = False
-        self.warmup_seconds = 0.0  # the Triton kernel warm-up's wall time (CUDA; cold start diagnostics)
-        self.compile_ahead: dict = {}  # its compiles in worker processes: counts (kernels/compile_ahead.py)
+        self.kernel_warmup = KernelWarmup(self.state, self.device)  # Triton's variants, compiled at the first step
         self.capture_seconds = {"decode": 0.0, "mixed": 0.0}  # graph capture wall time, compiles included
         self.num_graph_steps = 0
         self.num_eager_steps = 0
@@ -101,6 +100,7 @@ class ModelRunner:
         """Forget captured graphs and compiled code (they baked in the old weights' addresses)."""
         if self.device.type == "cuda" and (self.graphs is not None or self.mixed_graphs is not None):
             torch.cuda.synchronize(self.device)  # a replay may still run: its pool must not be reused under it
+        self.finish_warmup(launch=False)  # workers still running: joined (the warm-up's launches wait for a step)
         self.graphs = None
         self.mixed_graphs = None
         self._compiled = None
@@ -120,7 +120,7 @@ class ModelRunner:
             self._copy_blocks(out.block_copies)
         if out.is_empty:
             return None
-        if not self._warmed:
+        if not self.kernel_warmup.started:
             self.warmup()
         logits, host, greedy = self._forward_step(out)
         plain = all_plain_greedy(host.sample_states)
@@ -148,6 +148,7 @@ class ModelRunner:
             self.num_graph_steps += 1
             logits = graphs.replay(bucket, host.num_sampled, host.max_seqlen_q)
             return logits, host, graphs.greedy_tokens(bucket, host.num_sampled, host.max_seqlen_q)
+        self.finish_warmup()  # an eager forward launches every kernel at once: nothing left to overlap
         host = self.batch.pack(out.scheduled, self.previous)
         buffer = self._stage(host.packed).to(self.device, non_blocking=True)
         self._fill_pending(buffer[region_slices(host.num_tokens, host.num_reqs)["input_ids"]], host.pending)
@@ -220,36 +221,21 @@ class ModelRunner:
             logits = logits.index_select(0, keep.to(logits.device)) if isinstance(keep, torch.Tensor) else logits
         return logits
 
-    @torch.inference_mode()
     def warmup(self) -> None:
-        """Compile the Triton kernel variants a run will meet up front (``kernels/warmup.py``), their compiles in
-        worker processes first (``kernels/compile_ahead.py``)."""
-        self._warmed = True
-        if not self.state.use_triton or self.device.type != "cuda":
-            return
-        from ..kernels.compile_ahead import compile_ahead
-        from ..kernels.warmup import warm_up_layers
+        """Compile the Triton kernel variants a run will meet up front (``kernel_warmup.py``): with compiled layers
+        their compiles in worker processes run on beside the first layer compile."""
+        self.kernel_warmup.start(overlap=self.compile)
 
-        start = time.perf_counter()
-        state = self.state
-        scales = state.kv_scales or [None] * len(state.layers)
-
-        def launch_all() -> None:
-            warm_up_layers(state.layers, state.kv_caches, scales, max_num_seqs=self.config.max_num_seqs,
-                           max_num_batched_tokens=self.config.max_num_batched_tokens, column_multiple=padded_width(1),
-                           launch_pdl=state.dependent_launch)  # fmt: skip
-            state.fused_projections.warm_up_gemv()
-
-        self.compile_ahead = compile_ahead(launch_all, self.device)
-        launch_all()
-        torch.cuda.synchronize(self.device)
-        self.warmup_seconds = time.perf_counter() - start
+    def finish_warmup(self, launch: bool = True) -> None:
+        """Where our kernels must be ready: join the warm-up's workers, run its launches (``launch``)."""
+        self.kernel_warmup.finish(launch)
 
     def _graph_forward(self, step: DeviceStep, mixed: bool = False) -> torch.Tensor:
         """The forward a CUDA graph captures: decode (every row sampled) or mixed (``step.logits_indices``), with
         compiled layers unless compile is off."""
         eager_keep = None if mixed else 0  # 0: every token of a decode batch is sampled
         if not self.compile or global_module_hooks():  # a global hook runs in every module: layers stay eager
+            self.finish_warmup()
             return self.forward(step, logits_indices=eager_keep)
         if self._compiled is None:
             self._compiled = self._compile_step_forward()
@@ -281,8 +267,10 @@ class ModelRunner:
             self.compile = False
             self._compiled = None
             return self.forward(step, logits_indices=eager_keep)
-        if self._compile_cache is not None and not capturing:
-            self._compile_cache.save()  # writes only when this forward compiled something the file lacks
+        if not capturing:
+            self.finish_warmup()  # after the first (the layer compile's) forward, before any capture
+            if self._compile_cache is not None:
+                self._compile_cache.save()  # writes only when this forward compiled something the file lacks
         return logits
 
     def _compile_step_forward(self):
