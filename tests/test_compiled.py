@@ -123,11 +123,14 @@ def test_regional_compile_matches_stock_generate(arch, num_kinds):
     assert _num_compiled(runner._compiled.block_function) == num_kinds
 
 
-def test_each_compiled_forward_has_its_own_recompile_count(monkeypatch):
+# torch's own config.patch, not monkeypatch: pytest >= 9.2's monkeypatch restores a module attribute missing from the
+# module's __dict__ (torch keeps its config entries elsewhere) by deleting it, and a deleted dynamo config entry then
+# fails every later compile in that process
+@torch._dynamo.config.patch(recompile_limit=1)
+def test_each_compiled_forward_has_its_own_recompile_count():
     # dynamo counts compiled graphs per code object and, past config.recompile_limit, runs the code uncompiled
     # without an error. Two models (or a model patched twice) each compile their own graphs: with the limit at 1,
     # both engines below still compile (with one shared code object the second would run eager layers).
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     torch._dynamo.reset()
     counters.clear()
     prompts = random_prompts([5, 9], seed=5)

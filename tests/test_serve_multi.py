@@ -189,28 +189,34 @@ def test_one_waiting_bound_over_both_front_ends_and_a_stop_that_ends_both(one_se
         "logit_bias": NO_EOS,
         "stream": True,
     }
-    with httpx.Client(timeout=60) as http, http.stream("POST", srv.url + "/v1/completions", json=body) as running:
-        lines = running.iter_lines()  # kept: once collected, httpcore closes the connection (an abort)
-        assert next(x for x in lines if x.startswith("data: "))  # it runs: the one slot is taken
-        waiting = {}
+    # each step sleeps while the slot is held, so that the running stream (300 tokens) outlasts the refusals below
+    # on a loaded machine too (unslowed it ended ~0.4 s after them on two idle cores: a race under the full suite)
+    slow = one_seq_model.model.layers[0].register_forward_pre_hook(lambda module, args: time.sleep(0.01))
+    try:
+        with httpx.Client(timeout=60) as http, http.stream("POST", srv.url + "/v1/completions", json=body) as running:
+            lines = running.iter_lines()  # kept: once collected, httpcore closes the connection (an abort)
+            assert next(x for x in lines if x.startswith("data: "))  # it runs: the one slot is taken
+            waiting = {}
 
-        def wait_for_slot():
-            client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-            waiting["out"] = client.completions.create(
-                model=MODEL_NAME, prompt="stars and", max_tokens=4, temperature=0, logit_bias=NO_EOS
-            )
+            def wait_for_slot():
+                client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+                waiting["out"] = client.completions.create(
+                    model=MODEL_NAME, prompt="stars and", max_tokens=4, temperature=0, logit_bias=NO_EOS
+                )
 
-        thread = threading.Thread(target=wait_for_slot)
-        thread.start()
-        deadline = time.monotonic() + 10
-        while len(loop.waiting) < 1:  # the engine counts it as waiting (whichever front end took it)
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
-        for _ in range(4):  # new clients, new connections: whichever front end answers, the queue is full
-            client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-            with pytest.raises(openai.RateLimitError) as refused:
-                client.completions.create(model=MODEL_NAME, prompt="a quick", max_tokens=4, temperature=0)
-            assert refused.value.status_code == 429 and refused.value.body["code"] == "queue_full"
+            thread = threading.Thread(target=wait_for_slot)
+            thread.start()
+            deadline = time.monotonic() + 10
+            while len(loop.waiting) < 1:  # the engine counts it as waiting (whichever front end took it)
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            for _ in range(4):  # new clients, new connections: whichever front end answers, the queue is full
+                client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+                with pytest.raises(openai.RateLimitError) as refused:
+                    client.completions.create(model=MODEL_NAME, prompt="a quick", max_tokens=4, temperature=0)
+                assert refused.value.status_code == 429 and refused.value.body["code"] == "queue_full"
+    finally:
+        slow.remove()  # the model is the module's fixture
     thread.join(30)  # the running stream was closed (aborted): the waiting request got the slot
     assert waiting["out"].usage.completion_tokens == 4
     assert metrics(srv)['hfpaged_requests_rejected_total{status="429"}'] == 4
