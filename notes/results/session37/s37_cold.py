@@ -3,6 +3,8 @@
 Runs benchmark.py's cold-start child (Qwen3-0.6B shape, bf16, default options: patch -> first result of 8 chat
 prompts) from two trees, alternating, each child with fresh Triton, Inductor and hfpaged caches; then one warm child
 per tree on the caches its last cold child filled. Usage: python s37_cold.py NEW_ROOT OLD_ROOT REPS OUT_JSON
+[WARM(0/1)] [OLD_ENV]: OLD_ENV (e.g. HFPAGED_WARMUP_PROCESSES=8) is set for the "old" children only (call 3 runs the
+new tree as both, the worker count differing).
 """
 
 import json
@@ -12,6 +14,8 @@ import sys
 import tempfile
 
 new_root, old_root, reps, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+warm = len(sys.argv) <= 5 or sys.argv[5] == "1"
+old_env = dict([sys.argv[6].split("=", 1)]) if len(sys.argv) > 6 else {}
 pyc = tempfile.mkdtemp(prefix="pyc-")
 base = dict(os.environ, PYTHONPYCACHEPREFIX=pyc)
 base.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -21,8 +25,14 @@ subprocess.run(
 )
 
 
-def child(root, caches):
-    env = dict(base, TRITON_CACHE_DIR=caches + "/triton", TORCHINDUCTOR_CACHE_DIR=caches + "/inductor", PYTHONPATH=root)
+def child(root, caches, extra):
+    env = dict(
+        base,
+        **extra,
+        TRITON_CACHE_DIR=caches + "/triton",
+        TORCHINDUCTOR_CACHE_DIR=caches + "/inductor",
+        PYTHONPATH=root,
+    )
     check = subprocess.run(
         [sys.executable, "-c", "import hfpaged; print(hfpaged.__file__)"],
         env=env,
@@ -53,7 +63,7 @@ for rep in range(reps):
         (("old", old_root), ("new", new_root)) if rep % 2 == 0 else (("new", new_root), ("old", old_root))
     ):
         caches = tempfile.mkdtemp(prefix=f"{label}{rep}-")
-        r = child(root, caches)
+        r = child(root, caches, old_env if label == "old" else {})
         results[label].append(r)
         last[label] = (root, caches)
         print(
@@ -74,9 +84,9 @@ for rep in range(reps):
             ),
             flush=True,
         )
-for label in ("new", "old"):
+for label in ("new", "old") if warm else ():
     root, caches = last[label]
-    r = child(root, caches)
+    r = child(root, caches, old_env if label == "old" else {})
     results[label + "_warm"] = r
     print(
         label,
@@ -104,5 +114,5 @@ for label in ("new", "old"):
         "cold patch->first result:",
         [round(x, 1) for x in xs],
         "warm:",
-        round(results[label + "_warm"]["patch_to_first_result_s"], 1),
+        results[label + "_warm"] and round(results[label + "_warm"]["patch_to_first_result_s"], 1),
     )
