@@ -9,6 +9,7 @@ that dies, and ``create_app`` under Starlette's test client."""
 import asyncio
 import contextlib
 import functools
+import gc
 import json
 import os
 import pickle
@@ -18,6 +19,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 
 import httpx
 import openai
@@ -1364,3 +1366,20 @@ def test_a_request_meeting_an_unpatch_inside_its_checks_gets_a_503(tokenizer, mo
     assert not loop.engine.has_unfinished() and loop.engine.core.closed
     error = model_unpatched()
     assert error.status_code == 503 and "not patched now" in str(error)
+
+
+def test_a_stopped_in_process_server_lets_the_model_go(tokenizer):
+    # FastAPI keeps endpoint functions in a module-level cache: the routes closed over the serving context, so a
+    # stopped in-process server kept its engine loop, the model and its KV pool (and a tokenizer thread) alive
+    m = make_model("llama", vocab_size=len(tokenizer), seed=3)
+    hfpaged.patch(m, num_blocks=64, block_size=4, tokenizer=tokenizer)
+    with Server(m, tokenizer, port=0, served_model_name=MODEL_NAME, frontend_process=False) as srv:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        good_request(client)
+        client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2)
+        assert httpx.get(srv.url + "/v1/models").status_code == httpx.get(srv.url + "/health").status_code == 200
+        assert httpx.get(srv.url + "/metrics").status_code == 200
+    model, pool = weakref.ref(m), weakref.ref(m._hfpaged.kv_caches[0][0])
+    del m, srv, client
+    gc.collect()
+    assert model() is None and pool() is None

@@ -53,6 +53,7 @@ class interrupts_deferred:
         if self.installed and _signal.getsignal(signal.SIGINT) is self.handler:
             _signal.signal(signal.SIGINT, self.previous)
         self.installed = False
+        self.handler = None  # the bound method refers back to this object: a cycle per step for the collector
 
     def _hold(self, signum, frame) -> None:
         if self.own_handler is not None:

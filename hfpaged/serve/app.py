@@ -24,20 +24,23 @@ DEFAULT_MAX_WAITING = 1024
 
 
 def build_app(ctx: ServingContext, lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]]) -> FastAPI:
-    """The OpenAI-compatible ASGI app over ``ctx``; ``lifespan`` connects (and at the end stops) the engine."""
-    engine = ctx.engine
+    """The OpenAI-compatible ASGI app over ``ctx``; ``lifespan`` connects (and at the end stops) the engine.
+
+    The routes and handlers reach ``ctx`` through the request (``app.state.serving``), never a closure: FastAPI keeps
+    endpoint functions in a module-level cache (``fastapi.dependencies.models``), and a closure over ``ctx`` kept its
+    engine loop, the model and its KV pool alive after a stopped in-process server was dropped."""
     app = FastAPI(title="hfpaged", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.serving = ctx
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        engine.metrics.requests_rejected.labels(str(exc.status_code)).inc()
+        _ctx(request).engine.metrics.requests_rejected.labels(str(exc.status_code)).inc()
         return JSONResponse(exc.body(), status_code=exc.status_code)
 
     @app.exception_handler(ClientDisconnect)
     async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
         # the client left while sending its body: nothing ran and nobody reads the answer (no traceback in the log)
-        engine.metrics.requests_rejected.labels("499").inc()
+        _ctx(request).engine.metrics.requests_rejected.labels("499").inc()
         return Response(status_code=499)
 
     @app.exception_handler(StarletteHTTPException)
@@ -55,33 +58,38 @@ def build_app(ctx: ServingContext, lifespan: Callable[[FastAPI], AbstractAsyncCo
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await create_completion(ctx, request)
+        return await create_completion(_ctx(request), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await create_chat_completion(ctx, request)
+        return await create_chat_completion(_ctx(request), request)
 
     @app.get("/v1/models")
-    async def list_models() -> dict:
-        return {"object": "list", "data": [_model_card(ctx)]}
+    async def list_models(request: Request) -> dict:
+        return {"object": "list", "data": [_model_card(_ctx(request))]}
 
     @app.get("/v1/models/{model_id:path}")
-    async def retrieve_model(model_id: str) -> dict:
-        ctx.check_model(model_id)
-        return _model_card(ctx)
+    async def retrieve_model(model_id: str, request: Request) -> dict:
+        _ctx(request).check_model(model_id)
+        return _model_card(_ctx(request))
 
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
+        engine = _ctx(request).engine
         if engine.alive:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable" if engine.send is not None else "not started"}, status_code=503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        body, content_type = engine.metrics.render()
+    async def metrics(request: Request) -> Response:
+        body, content_type = _ctx(request).engine.metrics.render()
         return Response(body, media_type=content_type)
 
     return app
+
+
+def _ctx(request: Request) -> ServingContext:
+    return request.app.state.serving
 
 
 def _model_card(ctx: ServingContext) -> dict:
