@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 
 from ._checks import interpreting
 
@@ -78,6 +79,8 @@ def record_compiles(launch_all) -> list[dict]:
                 return True  # skip: no compile, no launch
             return previous(**kwargs) if previous is not None else None
 
+        _mark(hook, previous, active)
+        _mark(lenient, serialize, active)
         knobs.runtime.jit_cache_hook = hook
         if serialize is not None:
             jit_module.serialize_specialization_data = lenient
@@ -88,9 +91,9 @@ def record_compiles(launch_all) -> list[dict]:
             _LOCAL.recording = False
             active[0] = False  # if another hook was set over this one meanwhile, this one now only passes through
             if knobs.runtime.jit_cache_hook is hook:
-                knobs.runtime.jit_cache_hook = previous
+                knobs.runtime.jit_cache_hook = _live(previous)
             if serialize is not None and jit_module.serialize_specialization_data is lenient:
-                jit_module.serialize_specialization_data = serialize
+                jit_module.serialize_specialization_data = _live(serialize)
     unique = {}
     for job in jobs:
         unique.setdefault((job["module"], job["name"], job["data"]), job)
@@ -147,9 +150,12 @@ def compile_ahead(launch_all, device, processes: int | None = None) -> dict:
     return start_compile_ahead(launch_all, device, processes).join()
 
 
-def start_compile_ahead(launch_all, device, processes: int | None = None) -> Ahead:
+def start_compile_ahead(launch_all, device, processes: int | None = None, pin_cache_dir: bool = False) -> Ahead:
     """``compile_ahead`` without the wait: the workers run on until ``join()`` (or an in-process compile of one of
-    this package's kernels, which joins them first)."""
+    this package's kernels, which joins them first). ``pin_cache_dir``: the workers run beside torch.compile; where
+    ``TRITON_CACHE_DIR`` is unset, set it now to the directory Inductor would set it to at its first kernel built in
+    this process (when unset), which would come after the workers' start: the workers' entries and this process's
+    later lookups would then be in two directories, and every one of its compiles a second one."""
     from triton import knobs
 
     processes = WARMUP_PROCESSES if processes is None else processes
@@ -158,6 +164,11 @@ def start_compile_ahead(launch_all, device, processes: int | None = None) -> Ahe
         return Ahead(stats)
     if getattr(sys, "frozen", False):  # a frozen application: sys.executable is the application, not Python
         return Ahead(stats)
+    if pin_cache_dir and os.getenv("TRITON_CACHE_DIR") is None:
+        with contextlib.suppress(ImportError):  # as Inductor's CachingAutotuner sets it (whichever sets it first wins)
+            from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+            os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(device.index or 0)
     from triton.runtime import driver
 
     jobs = record_compiles(launch_all)
@@ -203,18 +214,23 @@ class Ahead:
     def join(self) -> dict:
         """Wait for the workers (once; any thread), take the hook off, and complete ``stats``."""
         with self._lock:
-            workers, self._workers = self._workers, None
+            workers = self._workers
             if workers is None:
                 return self.stats
             start = time.perf_counter()
+            self.stats["still_missing"] = len(self._missing)  # until the workers are known to have compiled them
             try:
                 seconds = workers.wait()
             except Exception:  # their directory failed: the caller's pass compiles what is missing
                 logger.debug("hfpaged: compile_ahead's workers failed", exc_info=True)
                 seconds = []
-            finally:
+            finally:  # an interrupt too: the workers were killed, nothing is held any more
+                self._workers = None
                 self._release()
-            self.stats["still_missing"] = sum(not _is_cached(job, self._target) for job in self._missing)
+            try:
+                self.stats["still_missing"] = sum(not _is_cached(job, self._target) for job in self._missing)
+            except Exception:  # as in start_compile_ahead: the caller's pass compiles whatever is missing
+                logger.debug("hfpaged: compile_ahead could not read Triton's cache", exc_info=True)
             self.stats["slowest_compile_s"] = round(max(seconds, default=0.0), 2)
             self.stats["compile_s"] = round(sum(seconds), 2)  # over all workers
             self.stats["join_wait_s"] = round(time.perf_counter() - start, 2)  # how long the joining thread waited
@@ -238,6 +254,8 @@ def _hold_compiles(join):
         return previous(**kwargs) if previous is not None else None
 
     lenient = _lenient(serialize)
+    _mark(hook, previous, active)
+    _mark(lenient, serialize, active)
     knobs.runtime.jit_cache_hook = hook
     if serialize is not None:
         jit_module.serialize_specialization_data = lenient
@@ -245,11 +263,24 @@ def _hold_compiles(join):
     def release():
         active[0] = False
         if knobs.runtime.jit_cache_hook is hook:
-            knobs.runtime.jit_cache_hook = previous
+            knobs.runtime.jit_cache_hook = _live(previous)
         if serialize is not None and jit_module.serialize_specialization_data is lenient:
-            jit_module.serialize_specialization_data = serialize
+            jit_module.serialize_specialization_data = _live(serialize)
 
     return release
+
+
+def _mark(function, previous, active: list) -> None:
+    """Note on one of our hooks (or serialisers) what it wraps and whether it is still in use (``_live``)."""
+    function.hfpaged_previous, function.hfpaged_active = previous, active
+
+
+def _live(function):
+    """``function``, or, where it is one of ours already taken off (another's was set over it, and that one was taken
+    off after it), the first live one it wraps: taking two off in the order they were set restores what was there."""
+    while function is not None and not getattr(function, "hfpaged_active", [True])[0]:
+        function = function.hfpaged_previous
+    return function
 
 
 def _lenient(serialize):
@@ -313,6 +344,8 @@ class _Workers:
         package_dir = os.path.dirname(os.path.abspath(__file__))
         self._tmp = tempfile.TemporaryDirectory(prefix="hfpaged-compile-")
         self.procs: list[subprocess.Popen] = []
+        # at interpreter exit (a program stopped during its first layer compile) no worker outlives it either
+        self._at_exit = weakref.finalize(self, _kill, self.procs)
         try:
             path = os.path.join(self._tmp.name, "jobs.json")
             with open(path, "w") as f:
@@ -324,19 +357,12 @@ class _Workers:
                     self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                                        stdin=subprocess.DEVNULL, start_new_session=True))  # fmt: skip
         except BaseException:
-            self._kill()
+            self._at_exit()
             self._tmp.cleanup()
             raise
 
     def _log(self, i: int) -> str:
         return os.path.join(self._tmp.name, f"worker{i}.log")
-
-    def _kill(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:  # the caller was interrupted: no worker outlives it
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
 
     def wait(self) -> list[float]:
         """Wait for every worker; the seconds each compile took (failed ones excluded)."""
@@ -345,7 +371,7 @@ class _Workers:
                 for proc in self.procs:
                     proc.wait()
             finally:
-                self._kill()
+                self._at_exit()  # the caller was interrupted: no worker outlives it
             seconds = []
             for i, proc in enumerate(self.procs):
                 with open(self._log(i)) as f:
@@ -358,6 +384,15 @@ class _Workers:
             return seconds
         finally:
             self._tmp.cleanup()
+
+
+def _kill(procs: list) -> None:
+    """Kill the workers still running, with their ptxas (each leads a session of its own)."""
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def _worker(path: str) -> None:

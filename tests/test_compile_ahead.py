@@ -101,18 +101,34 @@ again = compile_ahead.compile_ahead(
 target = driver.active.get_current_target()
 bogus = {"module": "hfpaged.kernels.argmax", "name": "_row_argmax_kernel", "data": "{}"}
 bogus_seconds = compile_ahead._run_workers([bogus], target, 1)
-# workers left running (start_compile_ahead): an in-process compile of one of their variants, in another thread,
-# joins them first and then finds their entry; the hook is then taken off
+# workers left running (start_compile_ahead) beside a torch.compile, TRITON_CACHE_DIR unset (as for most users): an
+# in-process compile of one of their variants, in another thread, joins them first and then finds their entry, although
+# Inductor set TRITON_CACHE_DIR meanwhile (as its first kernel built in a process does where it is unset); the hook is
+# then taken off
+import os
+
+os.environ.pop("TRITON_CACHE_DIR")
 held_hits = []
 knobs.compilation.listener = lambda **kw: held_hits.append(kw["cache_hit"])
-ahead = compile_ahead.start_compile_ahead(  # four new chunk variants (1 or 2 warps)
-    lambda: [launch(r, v, warps=w) for r, v in SHAPES for w in (1, 2)], torch.device("cuda"), processes=2
+ahead = compile_ahead.start_compile_ahead(  # four new chunk variants (1 or 2 warps), both row ones: a new directory
+    lambda: [launch(r, v, warps=w) for r, v in SHAPES for w in (1, 2)], torch.device("cuda"), processes=2,
+    pin_cache_dir=True,
 )
 held = {"running": ahead.running, "hooked": knobs.runtime.jit_cache_hook is not None}
+from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+if os.getenv("TRITON_CACHE_DIR") is None:  # what Inductor's CachingAutotuner does (torch/_inductor/runtime)
+    os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(0)
 joiner = threading.Thread(target=lambda: launch(*SHAPES[1], warmup=True, warps=2))
 joiner.start()
 joiner.join()
 held.update(running_after=ahead.running, hook_after=knobs.runtime.jit_cache_hook, hits=held_hits, stats=ahead.join())
+serializer_restored = jit_module.serialize_specialization_data is strict_serialize
+# workers never joined, still running when this process exits: killed with it (four chunk variants, 8 or 16 warps)
+abandoned = compile_ahead.start_compile_ahead(
+    lambda: [launch(r, v, warps=w) for r, v in SHAPES for w in (8, 16)], torch.device("cuda"), processes=2
+)
+abandoned_pids = [proc.pid for proc in abandoned._workers.procs] if abandoned.running else []
 # workers that cannot start: nothing raised, every variant left to the caller's pass
 import subprocess
 
@@ -129,10 +145,10 @@ unstarted = compile_ahead.compile_ahead(  # four new chunk variants (bf16, 4 or 
 )
 print(json.dumps({
     "stats": stats, "again": again, "bogus_seconds": bogus_seconds, "unstarted": unstarted,
-    "serializer_restored": jit_module.serialize_specialization_data is strict_serialize, "hits": hits, "other_compiled": other["kernel"] is not None,
+    "serializer_restored": serializer_restored, "hits": hits, "other_compiled": other["kernel"] is not None,
     "recording_in_launch_all": other["in_run_all"], "recording_after": compile_ahead.recording(),
     "previous_hook_calls": previous_calls, "hook_restored": hook_after is not None and hook_after.__name__ == "<lambda>",
-    "held": held,
+    "held": held, "abandoned_pids": abandoned_pids,
 }))
 """
 
@@ -140,6 +156,8 @@ print(json.dumps({
 def test_compiles_in_workers_are_the_jit_paths_cache_hits(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    # where Triton's own default and Inductor's directory lie once the script unsets TRITON_CACHE_DIR
+    env.update(TRITON_HOME=str(tmp_path / "home"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
@@ -176,14 +194,25 @@ def test_compiles_in_workers_are_the_jit_paths_cache_hits(tmp_path):
     assert result["serializer_restored"] is True
     unstarted = result["unstarted"]
     assert unstarted["missing"] >= 4 and unstarted["still_missing"] == unstarted["missing"], unstarted
-    # workers left running (four chunk variants; the two row ones are on disk): the hook was set while they ran; another thread's compile of one of their variants
+    # workers left running (six variants: TRITON_CACHE_DIR was unset, and is now Inductor's): the hook was set while they ran; another thread's compile of one of their variants
     # joined them (they are done, the hook is off) and was a cache hit
     held = result["held"]
     assert held["running"] is True and held["hooked"] is True, held
     assert held["running_after"] is False and held["hook_after"] is None and held["hits"] == [True], held
     stats = held["stats"]
-    assert (stats["recorded"], stats["missing"], stats["workers"], stats["still_missing"]) == (6, 4, 2, 0), stats
+    assert (stats["recorded"], stats["missing"], stats["workers"], stats["still_missing"]) == (6, 6, 2, 0), stats
     assert stats["join_wait_s"] >= 0 and stats["compile_s"] > 0, stats
+    # workers still compiling when the script ended: none outlived it
+    assert len(result["abandoned_pids"]) == 2
+    assert not [pid for pid in result["abandoned_pids"] if _running(pid)], result["abandoned_pids"]
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")  # a zombie has ended
+    except FileNotFoundError:
+        return False
 
 
 def test_processes_setting_is_checked(monkeypatch):
@@ -208,7 +237,7 @@ def test_off_the_gpu_nothing_is_recorded():
 
 
 GPU_SCRIPT = r"""
-import json, sys
+import json, os, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 from models import make_model, random_prompts, reference_generate
@@ -237,7 +266,8 @@ def own_pass():
 
 warm._launch_all = own_pass
 results = model.generate_many(prompts, max_new_tokens=16, do_sample=False)
-print(json.dumps({"stats": warm.stats, "ours": ours, "parity": [r.token_ids for r in results] == expected}))
+print(json.dumps({"stats": warm.stats, "ours": ours, "parity": [r.token_ids for r in results] == expected,
+                  "cache_dir": os.environ.get("TRITON_CACHE_DIR")}))
 """
 
 
@@ -250,7 +280,11 @@ def test_runner_warm_up_compiles_in_workers_then_only_hits(tmp_path):
     # variants and leaves the workers running beside the first layer compile; they are joined before that forward
     # compiles any of our kernels here, so its first such compile is a cache hit (not done twice), and so is every
     # compile of the warm-up's own pass after it; tokens as stock generate's.
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), HFPAGED_WARMUP_PROCESSES="4")
+    # TRITON_CACHE_DIR unset, as for most users: Inductor sets it at its first kernel built in the process (where it is
+    # unset), while the workers run; the warm-up pins it first (Inductor's directory, under TORCHINDUCTOR_CACHE_DIR)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
+    env.update(TRITON_HOME=str(tmp_path / "home"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    env["HFPAGED_WARMUP_PROCESSES"] = "4"
     script = tmp_path / "script.py"
     script.write_text(GPU_SCRIPT)
     tests = os.path.dirname(os.path.abspath(__file__))
@@ -265,6 +299,7 @@ def test_runner_warm_up_compiles_in_workers_then_only_hits(tmp_path):
     in_pass = [hit for hit, during in ours if during]
     assert in_pass and all(in_pass), ours
     assert result["parity"] is True
+    assert result["cache_dir"] == str(tmp_path / "inductor" / "triton" / "0")
 
 
 class _FakeAhead:
@@ -289,16 +324,20 @@ def test_kernel_warm_up_joins_once_and_launches_once(monkeypatch, overlap):
     from hfpaged.kernels import compile_ahead
     from hfpaged.model import kernel_warmup
 
-    aheads, launches = [], []
+    aheads, launches, pins = [], [], []
     monkeypatch.setattr(
-        compile_ahead, "start_compile_ahead", lambda launch_all, device: aheads.append(_FakeAhead(True)) or aheads[-1]
+        compile_ahead,
+        "start_compile_ahead",
+        lambda launch_all, device, pin_cache_dir: (
+            pins.append(pin_cache_dir) or aheads.append(_FakeAhead(True)) or aheads[-1]
+        ),
     )
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     state = types.SimpleNamespace(use_triton=True)
     warm = kernel_warmup.KernelWarmup(state, torch.device("cuda", 0))
     monkeypatch.setattr(warm, "_launch_all", lambda: launches.append(1))
     warm.start(overlap=overlap)
-    assert warm.started and len(aheads) == 1
+    assert warm.started and len(aheads) == 1 and pins == [overlap]  # TRITON_CACHE_DIR pinned beside torch.compile
     if overlap:
         assert (aheads[0].joins, launches) == (0, [])  # the workers run on beside the layer compile
         warm.finish(launch=False)
@@ -307,3 +346,23 @@ def test_kernel_warm_up_joins_once_and_launches_once(monkeypatch, overlap):
     warm.finish()
     assert (aheads[0].joins, launches) == (1, [1])
     assert "joined_after_s" in warm.stats and warm.seconds >= 0
+
+
+def test_hooks_taken_off_in_the_order_they_were_set_restore_what_was_there():
+    # two warm-ups holding compiles at once (two models), joined first-started first: the second's release used to put
+    # back the first's hook (and serialiser), already taken off, for good
+    import triton.runtime.jit as jit_module
+    from triton import knobs
+
+    from hfpaged.kernels import compile_ahead
+
+    original_hook, original_serialize = knobs.runtime.jit_cache_hook, jit_module.serialize_specialization_data
+    try:
+        release_first = compile_ahead._hold_compiles(lambda: None)
+        release_second = compile_ahead._hold_compiles(lambda: None)
+        release_first()
+        release_second()
+        assert knobs.runtime.jit_cache_hook is original_hook
+        assert jit_module.serialize_specialization_data is original_serialize
+    finally:
+        knobs.runtime.jit_cache_hook, jit_module.serialize_specialization_data = original_hook, original_serialize

@@ -37,7 +37,8 @@ class KernelWarmup:
         from ..kernels.compile_ahead import start_compile_ahead
 
         start = time.perf_counter()
-        self._ahead, self._launches_left = start_compile_ahead(self._launch_all, self.device), True
+        self._ahead = start_compile_ahead(self._launch_all, self.device, pin_cache_dir=overlap)
+        self._launches_left = True
         self.stats = self._ahead.stats
         self.seconds = time.perf_counter() - start
         if not overlap or not self._ahead.running:
@@ -50,7 +51,8 @@ class KernelWarmup:
             return
         start = time.perf_counter()
         if self._ahead is not None:
-            self.stats["joined_after_s"] = round(start - self._ahead.started, 2)  # how long they overlapped
+            if self._ahead.running:
+                self.stats["joined_after_s"] = round(start - self._ahead.started, 2)  # how long they overlapped
             self._ahead.join()
             self._ahead = None
         if launch and self._launches_left:
