@@ -218,6 +218,7 @@ class Ahead:
             if workers is None:
                 return self.stats
             start = time.perf_counter()
+            self.stats["joined_after_s"] = round(start - self.started, 2)  # how long they ran beside the caller
             self.stats["still_missing"] = len(self._missing)  # until the workers are known to have compiled them
             try:
                 seconds = workers.wait()

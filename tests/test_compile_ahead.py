@@ -201,7 +201,7 @@ def test_compiles_in_workers_are_the_jit_paths_cache_hits(tmp_path):
     assert held["running_after"] is False and held["hook_after"] is None and held["hits"] == [True], held
     stats = held["stats"]
     assert (stats["recorded"], stats["missing"], stats["workers"], stats["still_missing"]) == (6, 6, 2, 0), stats
-    assert stats["join_wait_s"] >= 0 and stats["compile_s"] > 0, stats
+    assert stats["join_wait_s"] >= 0 and stats["joined_after_s"] >= 0 and stats["compile_s"] > 0, stats
     # workers still compiling when the script ended: none outlived it
     assert len(result["abandoned_pids"]) == 2
     assert not [pid for pid in result["abandoned_pids"] if _running(pid)], result["abandoned_pids"]
@@ -345,7 +345,7 @@ def test_kernel_warm_up_joins_once_and_launches_once(monkeypatch, overlap):
     warm.finish()
     warm.finish()
     assert (aheads[0].joins, launches) == (1, [1])
-    assert "joined_after_s" in warm.stats and warm.seconds >= 0
+    assert warm.seconds >= 0
 
 
 def test_hooks_taken_off_in_the_order_they_were_set_restore_what_was_there():

@@ -51,9 +51,7 @@ class KernelWarmup:
             return
         start = time.perf_counter()
         if self._ahead is not None:
-            if self._ahead.running:
-                self.stats["joined_after_s"] = round(start - self._ahead.started, 2)  # how long they overlapped
-            self._ahead.join()
+            self._ahead.join()  # (or the first compile of one of our kernels here joined them already)
             self._ahead = None
         if launch and self._launches_left:
             self._launches_left = False
