@@ -38,7 +38,7 @@ class StandIn:  # what JITFunction.run asks of the driver before it compiles
 driver.set_active(StandIn())
 import triton.runtime.jit as jit_module
 
-from hfpaged.kernels import argmax, compile_ahead
+from hfpaged.kernels import argmax, compile_ahead, compile_workers
 
 # Triton 3.6 cannot serialise some constants (a jit function passed as constexpr) and raises TypeError; 3.9 can.
 # This serialiser does the same for any fp16 variant, the other thread's below.
@@ -100,7 +100,7 @@ again = compile_ahead.compile_ahead(
 )
 target = driver.active.get_current_target()
 bogus = {"module": "hfpaged.kernels.argmax", "name": "_row_argmax_kernel", "data": "{}"}
-bogus_seconds = compile_ahead._run_workers([bogus], target, 1)
+bogus_seconds = compile_workers.run_workers([bogus], target, 1)
 # workers left running (start_compile_ahead) beside a torch.compile, TRITON_CACHE_DIR unset (as for most users): an
 # in-process compile of one of their variants, in another thread, joins them first and then finds their entry, although
 # Inductor set TRITON_CACHE_DIR meanwhile (as its first kernel built in a process does where it is unset); the hook is
