@@ -6,12 +6,15 @@ over both (429); a stop ends every front end and leaves the pool free. Then the 
 front ends' commands: routing, the global bound, one front end stopping while the other goes on."""
 
 import asyncio
+import contextlib
 import logging
 import os
 import pickle
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -416,3 +419,55 @@ def test_a_front_end_that_cannot_start_leaves_no_process_socket_or_metrics_dir(m
     assert spawned[0].process.poll() is not None  # not left serving the port with no engine thread behind it
     assert not os.path.exists(srv.metrics_dir)
     assert all(sock.fileno() == -1 for sock in srv.sockets)
+
+
+def _session_processes(session: int) -> list[int]:
+    """The live (not zombie) processes of a session."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if int(fields[3]) == session and fields[0] not in ("Z", "X"):
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_two_quick_ctrl_cs_end_hfpaged_serve_and_its_front_end(tmp_path, tokenizer):
+    # a terminal's Ctrl-C reaches the whole process group: the second, while the parent waited for the front end
+    # to stop gracefully, left that front end running (reparented, its lifespan waiting 60 s for an engine message
+    # nobody would send) and the parent gone
+    make_model("llama", vocab_size=len(tokenizer), seed=3).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "hfpaged.serve.cli", "serve", str(tmp_path / "model"), "--port", str(port)]
+    command += ["--num-blocks", "64", "--block-size", "4"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read().decode()[-3000:]
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.1)
+        assert len(_session_processes(process.pid)) >= 2  # hfpaged serve and its front end
+        os.killpg(process.pid, signal.SIGINT)
+        time.sleep(0.05)
+        os.killpg(process.pid, signal.SIGINT)
+        process.wait(30)
+        deadline = time.monotonic() + 15
+        while _session_processes(process.pid):
+            assert time.monotonic() < deadline, f"left running: {_session_processes(process.pid)}"
+            time.sleep(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        process.stderr.close()

@@ -64,6 +64,9 @@ def main(channel_fd: int) -> None:
             asyncio.ensure_future(_read_engine(reader, client, server)),
             asyncio.ensure_future(_announce_ready(server, writer)),
         ]
+        # once nothing reads the engine's messages (cancelled when a second Ctrl-C forces the exit), client.stop()
+        # below must not wait its 60 s for one
+        tasks[0].add_done_callback(lambda _: client.lost("the front end stopped reading the engine's messages"))
         try:
             yield
         finally:

@@ -184,6 +184,10 @@ class FrontendProcess:
             logger.warning("hfpaged: the front-end process did not stop within %s s; killing it", timeout)
             self.process.kill()
             self.process.wait()
+        except BaseException:  # a second Ctrl-C while it stops gracefully: stop at once, and never leave it behind
+            self.process.kill()
+            self.process.wait()
+            raise
         if self.reader is not None:
             self.reader.join(timeout)
         self.channel.close()
