@@ -1383,3 +1383,18 @@ def test_a_stopped_in_process_server_lets_the_model_go(tokenizer):
     del m, srv, client
     gc.collect()
     assert model() is None and pool() is None
+
+
+@pytest.mark.parametrize("frontend_process", MODES, ids=MODE_IDS)
+def test_a_server_started_again_is_refused_and_keeps_serving(model, tokenizer, frontend_process):
+    # before: a second start killed the running front end (a process of its own), or (single process) returned as if
+    # it served while its uvicorn thread failed, and stop() then left the first one running
+    with Server(model, tokenizer, port=0, served_model_name=MODEL_NAME, frontend_process=frontend_process) as srv:
+        with pytest.raises(RuntimeError, match="started already; a Server serves once"):
+            srv.start()
+        good_request(OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60))
+    with pytest.raises(RuntimeError, match="started already"):
+        srv.start()
+    with pytest.raises(RuntimeError, match="started already"):
+        srv.run()
+    assert not [t for t in threading.enumerate() if t.name.startswith(("hfpaged-serve", "hfpaged-engine"))]

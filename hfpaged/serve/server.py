@@ -99,6 +99,7 @@ class Server:
         self.frontend = None  # the first of them
         self.metrics_dir: str | None = None  # several front ends share their Prometheus files there
         self.uvicorn = None
+        self.started = False  # a Server serves once (its socket and engine loop end with it)
         self.pickled_tokenizer = None
         if frontend_process:
             try:  # the front-end process gets the tokenizer pickled
@@ -154,6 +155,7 @@ class Server:
     def run(self) -> None:
         """Serve in this thread until interrupted (SIGINT/SIGTERM) or until the front end ends."""
         if self.frontend is None:
+            self._claim()
             self._run_uvicorn()
             return
         self.start(DEFAULT_START_TIMEOUT)
@@ -182,6 +184,7 @@ class Server:
 
     def start(self, timeout: float = 60.0) -> Server:
         """Serve in the background; returns when the server accepts requests."""
+        self._claim()
         if self.frontend is None:
             self.thread = threading.Thread(target=self._run_uvicorn, name=f"hfpaged-serve-{self.port}", daemon=True)
             self.thread.start()
@@ -222,6 +225,11 @@ class Server:
         for sock in self.sockets:  # the front ends have their own copies: once gone, connections are refused
             sock.close()
         return self
+
+    def _claim(self) -> None:
+        if self.started:  # a second start killed a running front end, or served nothing on a closed socket
+            raise RuntimeError("this Server was started already; a Server serves once: make a new one to serve again")
+        self.started = True
 
     def stop(self, timeout: float = 60.0) -> None:
         """Stop the server: finish or abort in-flight requests, free the pool."""
