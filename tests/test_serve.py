@@ -1397,4 +1397,5 @@ def test_a_server_started_again_is_refused_and_keeps_serving(model, tokenizer, f
         srv.start()
     with pytest.raises(RuntimeError, match="started already"):
         srv.run()
-    assert not [t for t in threading.enumerate() if t.name.startswith(("hfpaged-serve", "hfpaged-engine"))]
+    threads = [srv.thread, srv.serving.engine_loop.thread]  # uvicorn's or the engine's; the engine loop's
+    assert not [t for t in threads if t is not None and t.is_alive()]
