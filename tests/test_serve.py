@@ -747,7 +747,7 @@ def test_graceful_shutdown_finishes_or_aborts_in_flight_requests(one_seq_model, 
     srv.stop()
     thread.join(30)
     assert finished[-1] == "data: [DONE]" and '"finish_reason":"length"' in finished[-2]
-    # no time: the request is aborted, the thread ends, the pool is all free
+    # no time: the request is aborted (an error event ends its stream), the thread ends, the pool is all free
     aborted = []
     srv = Server(
         one_seq_model,
@@ -761,7 +761,8 @@ def test_graceful_shutdown_finishes_or_aborts_in_flight_requests(one_seq_model, 
     srv.stop()
     thread.join(30)
     assert not thread.is_alive() and not srv.thread.is_alive()
-    assert isinstance(aborted[-1], httpx.HTTPError) and len(aborted) < 400  # cut off mid-stream
+    # cut off mid-stream, with an error event (before session 37 uvicorn cancelled the stream: a broken connection)
+    assert isinstance(aborted[-1], str) and "shutdown timeout (0.1 s) ran out" in aborted[-1] and len(aborted) < 400
     stats = hfpaged.stats(one_seq_model)
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
@@ -1399,3 +1400,46 @@ def test_a_server_started_again_is_refused_and_keeps_serving(model, tokenizer, f
         srv.run()
     threads = [srv.thread, srv.serving.engine_loop.thread]  # uvicorn's or the engine's; the engine loop's
     assert not [t for t in threads if t is not None and t.is_alive()]
+
+
+@pytest.mark.parametrize("frontend_process", MODES, ids=MODE_IDS)
+def test_requests_running_at_the_shutdown_timeout_get_an_openai_error(tokenizer, frontend_process, caplog):
+    # before: uvicorn cancelled them itself at its graceful-shutdown deadline: a traceback each in the log, and a
+    # plain-text 500 for a client waiting for the whole answer
+    m = make_model("llama", vocab_size=len(tokenizer), seed=3)
+    hfpaged.patch(m, num_blocks=160, block_size=4, tokenizer=tokenizer)
+    slow = m.model.layers[0].register_forward_pre_hook(lambda module, args: time.sleep(0.02))  # 500 tokens: ~10 s
+    body = {"model": MODEL_NAME, "prompt": "the stop sign", "max_tokens": 500, "temperature": 0, "logit_bias": NO_EOS}
+    results = {}
+    try:
+        srv = Server(m, tokenizer, port=0, served_model_name=MODEL_NAME, frontend_process=frontend_process,
+                     shutdown_timeout=1).start()  # fmt: skip
+        url = srv.url + "/v1/completions"
+
+        def whole():
+            results["whole"] = httpx.post(url, json=body, timeout=60)
+
+        def stream():
+            with httpx.stream("POST", url, json=dict(body, stream=True), timeout=60) as response:
+                results["stream"] = [line for line in response.iter_lines() if line.startswith("data: ")]
+
+        threads = [threading.Thread(target=whole), threading.Thread(target=stream)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 20
+        while len(srv.serving.engine_loop.unfinished) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        srv.stop()
+        for thread in threads:
+            thread.join(30)
+    finally:
+        slow.remove()
+    whole = results["whole"]
+    assert whole.status_code == 500, whole.text
+    assert whole.json()["error"]["type"] == "server_error" and "shutdown timeout" in whole.json()["error"]["message"]
+    last = json.loads(results["stream"][-1].removeprefix("data: "))
+    assert "shutdown timeout" in last["error"]["message"], results["stream"][-3:]
+    assert not [r for r in caplog.records if "Exception in ASGI application" in r.getMessage()]
+    stats = hfpaged.stats(m)
+    assert stats["num_free_blocks"] == stats["num_blocks"]

@@ -156,6 +156,15 @@ class EngineClient:
                 self.lost(f"the engine did not stop within {timeout} s")
         self._fail(list(self.routes), EngineFailure("the server stopped before this request finished"))
 
+    def fail_in_flight(self, reason: str) -> None:
+        """Abort every request still in flight in the engine and answer it with an error (the server's shutdown
+        timeout ran out)."""
+        request_ids = list(self.routes)
+        if request_ids and self.send is not None and self.failure is None:
+            self.send(AbortRequests(request_ids))
+            self.metrics.requests_finished.labels("abort").inc(len(request_ids))
+        self._fail(request_ids, EngineFailure(reason))
+
     def lost(self, reason: str) -> None:
         """The engine is unreachable (its process or thread ended): fail everything in flight."""
         if self.failure is None:

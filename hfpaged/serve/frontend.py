@@ -30,6 +30,7 @@ from .context import ServingContext
 from .engine_client import EngineClient
 from .logprobs import TokenStrings
 from .messages import FrontendConfig, FrontendReady, Shutdown
+from .uvicorn_server import Server as UvicornServer
 
 logger = logging.getLogger("hfpaged.serve")
 
@@ -76,11 +77,7 @@ def main(channel_fd: int) -> None:
             writer.close()
 
     app = build_app(ctx, lifespan)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app, log_level=config.log_level, timeout_graceful_shutdown=config.shutdown_timeout, lifespan="on"
-        )
-    )
+    server = UvicornServer(app, config.log_level, config.shutdown_timeout)
     http_socket = socket.socket(fileno=config.http_fd)
     # uvicorn re-raises the signal that stopped it once it is done; SIGTERM then ends this process quietly
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

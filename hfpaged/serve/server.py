@@ -136,15 +136,11 @@ class Server:
             ]
             self.frontend = self.frontends[0]
         else:
-            import uvicorn
-
             from .inprocess import app_over
+            from .uvicorn_server import Server as UvicornServer
 
             self.app = app_over(engine_loop, self.serving.model_name, self.max_waiting)
-            config = uvicorn.Config(
-                self.app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout, lifespan="on"
-            )
-            self.uvicorn = uvicorn.Server(config)
+            self.uvicorn = UvicornServer(self.app, log_level, shutdown_timeout)
 
     @property
     def url(self) -> str:
