@@ -157,18 +157,18 @@ class EngineCore:
         step's outputs made before the failure too. A Ctrl-C, and a user's criterion's non-``Exception``, raise once
         they are out (``core/interrupts.py``; a step's own error wins, except a held Ctrl-C over an ``Exception``)."""
         self.reap_orphans()
-        interrupts, failed, outer_guard = self.scheduler.interrupts, None, self.guard  # (outer: a re-entrant call)
+        interrupts, failed, outer_guard = self.scheduler.interrupts, [], self.guard  # (outer: a re-entrant call)
         with interrupts_deferred() as deferral:
             self.guard = deferral if deferral.installed else None
             try:
                 outputs = self.step()
             except BaseException as error:
-                failed, outputs, self.undelivered = error, self.undelivered, []
+                failed, outputs, self.undelivered = [error], self.undelivered, []
             self.guard = outer_guard
             self._deliver(outputs)
-            pending = list(interrupts) if failed is None else []
+            pending = [] if failed else list(interrupts)
             interrupts.clear()
-        raise_after_step(deferral, failed, pending)
+        raise_after_step(deferral, failed, pending)  # (it empties both lists: no cycle through this frame)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         finished = []
@@ -334,9 +334,10 @@ class Client:
                 self.outbox = deque(output for output in self.outbox if output.prompt_id != prompt_id)
 
     def abort_all(self) -> None:
-        for prompt_id in list(self.prompts):
-            self.abort(prompt_id)
-        self.outbox.clear()
+        with self.core.lock, signals_held():  # a second Ctrl-C waits for every abort, not only the one it met
+            for prompt_id in list(self.prompts):
+                self.abort(prompt_id)
+            self.outbox.clear()
 
 
 class Engine(Client):
@@ -372,9 +373,8 @@ class Engine(Client):
         *,
         generation_config: GenerationConfig | None = None,
     ) -> list[str]:
-        """Queue several prompts at once, each with its own generate-style settings (``settings[i]``): all or
-        none (a bad prompt or setting raises and queues nothing). The weights are checked once for all of them.
-        Returns their ids."""
+        """Queue several prompts at once, each with its own generate-style settings (``settings[i]``), and return
+        their ids: all or none (a bad prompt or setting raises and queues nothing); the weights are checked once."""
         with making_requests(self.core.state):  # tensor parallel: a rank's refusal is every rank's
             check_batch(prompts, settings, request_ids)
             self.core.check_weights(self.model)

@@ -1001,6 +1001,74 @@ def test_calls_leave_no_hfpaged_object_to_the_cycle_collector():
     assert ours == []
 
 
+class _CtrlCOnce(LogitsProcessor):
+    """A Ctrl-C in the middle of a step (held until the step is done), once."""
+
+    def __init__(self):
+        self.sent = False
+
+    def __call__(self, input_ids, scores):
+        if not self.sent:
+            self.sent = True
+            signal.raise_signal(signal.SIGINT)
+        return scores
+
+
+def test_a_held_ctrl_c_leaves_no_hfpaged_object_to_the_cycle_collector():
+    # the raised KeyboardInterrupt's traceback holds the frames that raised it, and their locals held it: a cycle per
+    # interrupt, keeping the call's client, requests and step objects until a collector pass
+    m = make_model("llama", seed=13)
+    hfpaged.patch(m, num_blocks=32, block_size=4)
+    prompts = random_prompts([5, 9], seed=1)
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            m.generate_many(prompts, max_new_tokens=6, logits_processor=[_CtrlCOnce()])
+        gc.collect()
+        ours = [type(o).__qualname__ for o in gc.garbage if type(o).__module__.startswith("hfpaged")]
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(0)
+        gc.enable()
+    assert ours == []
+    assert all_free(m) and exact(m, prompts)
+
+
+def test_a_second_ctrl_c_during_the_cleanup_still_aborts_every_prompt(monkeypatch):
+    # a Ctrl-C between steps ends generate_many, whose cleanup aborts its prompts one by one; a second one during the
+    # first abort was raised when that abort ended: the other prompts ran on, owned by the engine, while the
+    # exception (and so the call's client) was kept, as an interactive session keeps it
+    import hfpaged.engine as engine_module
+
+    m = make_model("llama", seed=13)
+    hfpaged.patch(m, num_blocks=64, block_size=4)
+    prompts = random_prompts([5, 7, 9, 6], seed=1)
+    steps, aborts = [0], [0]
+    step, abort = engine_module.Client.step, engine_module.EngineCore.abort
+
+    def step_then_ctrl_c(self):
+        steps[0] += 1
+        if steps[0] == 3:
+            signal.raise_signal(signal.SIGINT)  # between steps: raised at once
+        return step(self)
+
+    def abort_with_ctrl_c(self, prompt_id):
+        aborts[0] += 1
+        if aborts[0] == 1:
+            signal.raise_signal(signal.SIGINT)  # during the first abort
+        return abort(self, prompt_id)
+
+    monkeypatch.setattr(engine_module.Client, "step", step_then_ctrl_c)
+    monkeypatch.setattr(engine_module.EngineCore, "abort", abort_with_ctrl_c)
+    with pytest.raises(KeyboardInterrupt) as raised:  # kept: its traceback holds the call's client
+        m.generate_many(prompts, max_new_tokens=50)
+    assert aborts[0] == len(prompts) and not engine_module.engine_of(m).owners
+    monkeypatch.undo()
+    assert raised.value is not None and all_free(m) and exact(m, prompts)
+
+
 # --- malformed input -----------------------------------------------------------------------------------
 
 

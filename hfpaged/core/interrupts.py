@@ -105,21 +105,28 @@ def signals_held():
     deferral.release()
 
 
-def raise_after_step(deferral: interrupts_deferred, failed: BaseException | None, pending: list) -> None:
+def raise_after_step(deferral: interrupts_deferred, failed_box: list, pending: list) -> None:
     """After a step and its delivery: the program's own handler hears of each signal held (``release``); then the
-    step's own error ``failed`` is raised, unless it is an ``Exception`` and a held signal asked to stop (a
-    ``KeyboardInterrupt``, a handler's ``SystemExit``): that is raised, from it; then the first of ``pending`` (a
-    criterion's interrupt: the step completed, nothing to recompute); then a held Ctrl-C."""
+    step's own error (``failed_box``: it, or empty) is raised, unless it is an ``Exception`` and a held signal asked
+    to stop (a ``KeyboardInterrupt``, a handler's ``SystemExit``): that is raised, from it; then the first of
+    ``pending`` (a criterion's interrupt: the step completed, nothing to recompute); then a held Ctrl-C. Both lists
+    are emptied: the caller's frame, in the traceback of what is raised, must not hold it (a cycle per interrupt)."""
+    failed = failed_box.pop() if failed_box else None
+    first_pending = pending[0] if pending else None
+    pending.clear()
     heard = None
     try:
         deferral.release()
     except BaseException as error:
         heard = error
-    if failed is not None:
-        if heard is not None and not isinstance(heard, Exception) and isinstance(failed, Exception):
-            raise heard from failed
-        raise failed
-    if pending:
-        raise pending[0]
-    if heard is not None:
-        raise heard
+    try:
+        if failed is not None:
+            if heard is not None and not isinstance(heard, Exception) and isinstance(failed, Exception):
+                raise heard from failed
+            raise failed
+        if first_pending is not None:
+            raise first_pending
+        if heard is not None:
+            raise heard
+    finally:  # this frame is in the traceback of what it raises: its locals would make a cycle with it
+        heard = failed = first_pending = deferral = None
