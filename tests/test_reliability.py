@@ -986,19 +986,27 @@ def test_calls_leave_no_hfpaged_object_to_the_cycle_collector():
     hfpaged.patch(m, num_blocks=32, block_size=4)
     prompts = random_prompts([5, 9], seed=1)
     m.generate_many(prompts, max_new_tokens=4)
+
+    def calls():
+        m.generate_many(prompts, max_new_tokens=6)
+        list(m.stream_many(prompts, max_new_tokens=3))
+
+    assert hfpaged_cyclic_garbage(calls) == []
+
+
+def hfpaged_cyclic_garbage(run) -> list[str]:
+    """The types of the hfpaged objects that ``run()`` leaves to the cycle collector (collector off meanwhile)."""
     gc.collect()
     gc.disable()
     gc.set_debug(gc.DEBUG_SAVEALL)
     try:
-        m.generate_many(prompts, max_new_tokens=6)
-        list(m.stream_many(prompts, max_new_tokens=3))
+        run()
         gc.collect()
-        ours = [type(o).__qualname__ for o in gc.garbage if type(o).__module__.startswith("hfpaged")]
+        return [type(o).__qualname__ for o in gc.garbage if type(o).__module__.startswith("hfpaged")]
     finally:
         gc.garbage.clear()
         gc.set_debug(0)
         gc.enable()
-    assert ours == []
 
 
 class _CtrlCOnce(LogitsProcessor):
@@ -1020,19 +1028,12 @@ def test_a_held_ctrl_c_leaves_no_hfpaged_object_to_the_cycle_collector():
     m = make_model("llama", seed=13)
     hfpaged.patch(m, num_blocks=32, block_size=4)
     prompts = random_prompts([5, 9], seed=1)
-    gc.collect()
-    gc.disable()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
+
+    def interrupted():
         with pytest.raises(KeyboardInterrupt):
             m.generate_many(prompts, max_new_tokens=6, logits_processor=[_CtrlCOnce()])
-        gc.collect()
-        ours = [type(o).__qualname__ for o in gc.garbage if type(o).__module__.startswith("hfpaged")]
-    finally:
-        gc.garbage.clear()
-        gc.set_debug(0)
-        gc.enable()
-    assert ours == []
+
+    assert hfpaged_cyclic_garbage(interrupted) == []
     assert all_free(m) and exact(m, prompts)
 
 
