@@ -57,40 +57,24 @@ def record_compiles(launch_all) -> list[dict]:
     """Run ``launch_all()`` with this thread's Triton compiles of this package's kernels recorded and skipped (the
     launches that would compile do nothing); other threads, and kernels already compiled here, run as usual.
     Returns the recorded compiles: {"module", "name", "data"} (``data``: Triton's serialised specialisation)."""
-    import triton.runtime.jit as jit_module
-    from triton import knobs
-
     jobs: list[dict] = []
     me = threading.get_ident()
-    active = [True]
+
+    def hook(fn, compile, **kwargs):
+        data = compile.get("specialization_data")
+        if threading.get_ident() == me and fn.module.startswith(PACKAGE + ".") and data is not None:
+            jobs.append({"module": fn.module, "name": fn.name, "data": data})
+            return True  # skip: no compile, no launch
+        return None  # Triton's own hook set before this one is called after (_set_hook)
+
     with _RECORDING:
-        previous = knobs.runtime.jit_cache_hook
-        serialize = getattr(jit_module, "serialize_specialization_data", None)
-
-        lenient = _lenient(serialize)  # another thread's compile meanwhile: see _lenient
-
-        def hook(**kwargs):
-            fn, data = kwargs["fn"], kwargs["compile"].get("specialization_data")
-            if active[0] and threading.get_ident() == me and fn.module.startswith(PACKAGE + ".") and data is not None:
-                jobs.append({"module": fn.module, "name": fn.name, "data": data})
-                return True  # skip: no compile, no launch
-            return previous(**kwargs) if previous is not None else None
-
-        _mark(hook, previous, active)
-        _mark(lenient, serialize, active)
-        knobs.runtime.jit_cache_hook = hook
-        if serialize is not None:
-            jit_module.serialize_specialization_data = lenient
+        release = _set_hook(hook)
         _LOCAL.recording = True
         try:
             launch_all()
         finally:
             _LOCAL.recording = False
-            active[0] = False  # if another hook was set over this one meanwhile, this one now only passes through
-            if knobs.runtime.jit_cache_hook is hook:
-                knobs.runtime.jit_cache_hook = _live(previous)
-            if serialize is not None and jit_module.serialize_specialization_data is lenient:
-                jit_module.serialize_specialization_data = _live(serialize)
+            release()
     unique = {}
     for job in jobs:
         unique.setdefault((job["module"], job["name"], job["data"]), job)
@@ -211,8 +195,19 @@ class Ahead:
 
 def _hold_compiles(join):
     """Set Triton's ``jit_cache_hook`` so that a compile of this package's kernels, in any thread, calls ``join()``
-    first and then goes on (a cache hit once the workers wrote it); returns the function that takes it off (or, if
-    another hook was set over it meanwhile, leaves it passing everything through)."""
+    first and then goes on (a cache hit once the workers wrote it); returns the function that takes it off."""
+
+    def hook(fn, **kwargs):
+        if fn.module.startswith(PACKAGE + "."):
+            join()
+
+    return _set_hook(hook)
+
+
+def _set_hook(ours):
+    """Set Triton's ``jit_cache_hook`` to ``ours`` and then the hook that was there (unless ``ours`` returns True:
+    skip the compile), with a lenient serialiser (``_lenient``); returns the function that takes both off, or, where
+    another was set over them meanwhile, leaves them passing everything through."""
     import triton.runtime.jit as jit_module
     from triton import knobs
 
@@ -221,8 +216,8 @@ def _hold_compiles(join):
     active = [True]
 
     def hook(**kwargs):
-        if active[0] and kwargs["fn"].module.startswith(PACKAGE + "."):
-            join()
+        if active[0] and ours(**kwargs):
+            return True
         return previous(**kwargs) if previous is not None else None
 
     lenient = _lenient(serialize)
