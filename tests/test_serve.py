@@ -1443,3 +1443,23 @@ def test_requests_running_at_the_shutdown_timeout_get_an_openai_error(tokenizer,
     assert not [r for r in caplog.records if "Exception in ASGI application" in r.getMessage()]
     stats = hfpaged.stats(m)
     assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_past_the_shutdown_timeout_new_requests_get_a_503():
+    # the requests in flight were failed at the shutdown timeout, but one still reading its body then reached add()
+    # and ran until uvicorn cancelled it at its own deadline (a traceback, a plain-text 500)
+    from hfpaged.serve.engine_client import EngineClient
+    from hfpaged.serve.errors import APIError
+    from hfpaged.serve.messages import AbortRequests, Submission
+
+    async def scenario():
+        client = EngineClient(max_waiting=8)
+        sent = []
+        client.connect(sent.append)
+        client.fail_in_flight("the server stopped")
+        with pytest.raises(APIError) as refused:
+            await asyncio.wait_for(client.add([Submission("late", [5, 6], {})], time.monotonic()), 5)
+        return refused.value, sent
+
+    refused, sent = asyncio.run(scenario())
+    assert refused.status_code == 503 and not [m for m in sent if not isinstance(m, AbortRequests)]

@@ -471,3 +471,36 @@ def test_two_quick_ctrl_cs_end_hfpaged_serve_and_its_front_end(tmp_path, tokeniz
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
         process.stderr.close()
+
+
+def test_a_second_ctrl_c_while_stopping_leaves_no_front_end_behind(tokenizer, monkeypatch):
+    # the second Ctrl-C of `hfpaged serve --api-server-count 2` interrupts stop() while it waits for the first front
+    # end: that one was killed, the other kept running, and the shared metrics directory stayed
+    from hfpaged.serve import frontend_process
+
+    m = make_model("llama", vocab_size=len(tokenizer), seed=3)
+    hfpaged.patch(m, num_blocks=64, block_size=4, tokenizer=tokenizer)
+    srv = Server(m, tokenizer, port=0, served_model_name=MODEL_NAME, api_server_count=2).start()
+    frontends, metrics_dir = list(srv.frontends), srv.metrics_dir
+    wait = frontend_process.FrontendProcess.wait_stopped
+    interrupted = []
+
+    def ctrl_c_in_the_first_wait(self, timeout):
+        if not interrupted:
+            interrupted.append(self)
+            self.process.wait = lambda timeout=None: (_ for _ in ()).throw(KeyboardInterrupt())
+            try:
+                return wait(self, timeout)
+            finally:
+                del self.process.wait
+        return wait(self, timeout)
+
+    monkeypatch.setattr(frontend_process.FrontendProcess, "wait_stopped", ctrl_c_in_the_first_wait)
+    with pytest.raises(KeyboardInterrupt):
+        srv.stop()
+    monkeypatch.undo()
+    assert interrupted == frontends[:1]
+    assert [f.process.poll() is not None for f in frontends] == [True, True]  # none left running
+    assert not os.path.exists(metrics_dir)
+    srv.serving.engine_loop.thread.join(30)
+    assert not srv.serving.engine_loop.thread.is_alive()

@@ -158,7 +158,8 @@ class EngineClient:
 
     def fail_in_flight(self, reason: str) -> None:
         """Abort every request still in flight in the engine and answer it with an error (the server's shutdown
-        timeout ran out)."""
+        timeout ran out); a request that reaches ``add`` from now on gets a 503, as after ``stop``."""
+        self.closing = True
         request_ids = list(self.routes)
         if request_ids and self.send is not None and self.failure is None:
             self.send(AbortRequests(request_ids))

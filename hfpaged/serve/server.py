@@ -229,17 +229,11 @@ class Server:
 
     def stop(self, timeout: float = 60.0) -> None:
         """Stop the server: finish or abort in-flight requests, free the pool."""
-        if self.frontend is None:
-            self.uvicorn.should_exit = True
-        else:
-            from .messages import StopEngine
-
-            for frontend in self.frontends:  # all at once: each gets shutdown_timeout for its requests
-                frontend.ask_to_stop()
-            for frontend in self.frontends:  # each tells the engine it is done as it ends
-                frontend.wait_stopped(timeout)
-            self.serving.engine_loop.put(StopEngine(), source=None)  # in case one could not
         try:
+            if self.frontend is None:
+                self.uvicorn.should_exit = True
+            else:
+                self._stop_frontends(timeout)
             if self.thread is not None:
                 self.thread.join(timeout)
                 if self.thread.is_alive():
@@ -249,6 +243,21 @@ class Server:
                 sock.close()
             if self.metrics_dir is not None:
                 shutil.rmtree(self.metrics_dir, ignore_errors=True)
+
+    def _stop_frontends(self, timeout: float) -> None:
+        from .messages import StopEngine
+
+        try:
+            for frontend in self.frontends:  # all at once: each gets shutdown_timeout for its requests
+                frontend.ask_to_stop()
+            for frontend in self.frontends:  # each tells the engine it is done as it ends
+                frontend.wait_stopped(timeout)
+        except BaseException:  # a second Ctrl-C: no front end (nor its channel) left behind
+            for frontend in self.frontends:
+                frontend.wait_stopped(0)
+            raise
+        finally:
+            self.serving.engine_loop.put(StopEngine(), source=None)  # in case one could not
 
     def __enter__(self) -> Server:
         return self.start()
