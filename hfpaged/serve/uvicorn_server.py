@@ -23,7 +23,6 @@ class Server(uvicorn.Server):
     def __init__(self, app: FastAPI, log_level: str, shutdown_timeout: float | None):
         timeout = None if shutdown_timeout is None else shutdown_timeout + GRACE
         super().__init__(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=timeout, lifespan="on"))
-        self.hfpaged_app = app
         self.shutdown_timeout = shutdown_timeout
 
     async def shutdown(self, sockets=None) -> None:
@@ -37,6 +36,6 @@ class Server(uvicorn.Server):
                 timer.cancel()
 
     def _fail_in_flight(self) -> None:
-        self.hfpaged_app.state.serving.engine.fail_in_flight(
+        self.config.app.state.serving.engine.fail_in_flight(
             f"the server stopped: its shutdown timeout ({self.shutdown_timeout} s) ran out before this request finished"
         )
