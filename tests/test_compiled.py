@@ -110,6 +110,25 @@ def test_every_graph_bucket_shares_each_regions_graphs():
     assert not counters["graph_break"]
 
 
+def test_layers_trace_once_and_layers_with_other_floats_get_their_own_graph():
+    # Float attributes are constants of the trace (custom_ops._constant_floats): left symbolic, the attention's
+    # scaling reached the custom op as a float dynamo could not make a tensor, and the layer's whole trace restarted
+    # (compile_attempt_1: ~2 s of every start on an H200). Constants are guarded by value: a layer whose norm eps
+    # differs from the others' must get a graph of its own and decode exactly.
+    torch._dynamo.reset()
+    metrics = torch._dynamo.utils.compilation_time_metrics
+    metrics.clear()
+    model = make_model("llama", num_hidden_layers=3)
+    model.model.layers[1].input_layernorm.variance_epsilon = 1e-2
+    prompts = random_prompts([5, 9, 3], seed=6)
+    expected = reference_generate(model, prompts, max_new_tokens=3, do_sample=False)
+    generated, runner = compiled_decode(model, prompts, max_new_tokens=3)
+    assert generated == expected
+    assert "compile_attempt_0" in metrics  # the metric read below exists in this torch
+    assert "compile_attempt_1" not in metrics  # no trace was restarted
+    assert _num_compiled(runner._compiled.block_function) == 2  # layers 0 and 2 share one, layer 1 has its own
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,num_kinds", [("qwen3", 1), ("gemma2", 2)])  # gemma2: sliding and full layers
 def test_regional_compile_matches_stock_generate(arch, num_kinds):
