@@ -994,6 +994,37 @@ def test_calls_leave_no_hfpaged_object_to_the_cycle_collector():
     assert hfpaged_cyclic_garbage(calls) == []
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [dict(num_beams=3, num_return_sequences=2, do_sample=False), dict(num_return_sequences=3, do_sample=True, seed=1)],
+    ids=["beam_search", "samples"],
+)
+def test_prompts_of_several_sequences_leave_no_hfpaged_object_to_the_cycle_collector(settings):
+    # a prompt's group held its sequences and each sequence its group: a cycle per prompt of num_beams > 1 or
+    # num_return_sequences > 1, keeping its requests (and beam search) until a collector pass. Finished, aborted,
+    # through generate_many, stream_many and an Engine handle.
+    m = make_model("llama", seed=13)
+    hfpaged.patch(m, num_blocks=64, block_size=4)
+    prompts = random_prompts([5, 9], seed=1)
+    expected = [r.sequences for r in m.generate_many(prompts, max_new_tokens=6, **settings)]
+    got = []
+
+    def calls():
+        got.append([r.sequences for r in m.generate_many(prompts, max_new_tokens=6, **settings)])
+        if not settings.get("num_beams"):  # (streams do not take beam search)
+            list(m.stream_many(prompts, max_new_tokens=3, **settings))
+        engine = hfpaged.Engine(m)
+        kept, dropped = (engine.add_request(prompt, max_new_tokens=6, **settings) for prompt in prompts)
+        engine.step()
+        engine.abort(dropped)
+        while engine.has_unfinished():
+            engine.step()
+
+    assert hfpaged_cyclic_garbage(calls) == []
+    assert [[s.token_ids for s in r] for r in got[0]] == [[s.token_ids for s in r] for r in expected]
+    assert all_free(m)
+
+
 def hfpaged_cyclic_garbage(run) -> list[str]:
     """The types of the hfpaged objects that ``run()`` leaves to the cycle collector (collector off meanwhile)."""
     gc.collect()

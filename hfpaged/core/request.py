@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -26,6 +27,8 @@ class RequestGroup:
     """The sequences of one prompt decoded side by side: parallel samples, or the beams of a beam search.
 
     The first member (the root) prefills the prompt; the others fork off it when it samples its first token.
+    The root owns its group and the group its other members; their references back are weak, so that a prompt
+    leaves no reference cycle behind: all of it goes with its root (which its caller and the engine hold).
     """
 
     def __init__(self, root: Request, num_sequences: int, beam_search: BeamSearch | None = None):
@@ -35,9 +38,22 @@ class RequestGroup:
         root.group = self
         root.num_forks_pending = num_sequences - 1
 
+    @property
+    def root(self) -> Request | None:
+        return self._root()
+
+    @property
+    def members(self) -> list[Request]:
+        """Every sequence of the prompt, its root first (a new list)."""
+        return [self._root(), *self._others]
+
+    @members.setter
+    def members(self, members: list[Request]) -> None:
+        self._root, self._others = weakref.ref(members[0]), list(members[1:])
+
     def add_member(self, request_id: str, params: RequestParams, sequence_index: int) -> Request:
         """A new sequence of the group's prompt, forking off its first request."""
-        root = self.members[0]
+        root = self._root()
         member = Request(request_id, root.prompt_token_ids, params, index=root.index)
         member.prompt_id = root.prompt_id
         member.group = self
@@ -46,7 +62,7 @@ class RequestGroup:
         member.stream_outputs = root.stream_outputs
         member.cache_salt = root.cache_salt
         member.restart_past = root.restart_past
-        self.members.append(member)
+        self._others.append(member)
         return member
 
 
@@ -84,7 +100,7 @@ class Request:
         self.top_logprobs: list[dict[int, float]] | None = [] if params.top_logprobs else None
         # Several sequences per prompt: the group, this sequence's place in it, and (root, before its first
         # sample) how many sequences it forks off then. None / 0 for the usual single sequence.
-        self.group: RequestGroup | None = None
+        self.group = None
         self.sequence_index = 0
         self.num_forks_pending = 0
         # Tokens sampled by an overlapped step whose values the host has not read yet: they count in
@@ -114,6 +130,16 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def group(self) -> RequestGroup | None:
+        group = self._group
+        return group() if isinstance(group, weakref.ref) else group
+
+    @group.setter
+    def group(self, group: RequestGroup | None) -> None:
+        # the root holds its group; the group holds its other members, which refer back to it weakly (no cycle)
+        self._group = group if group is None or group.root is self else weakref.ref(group)
 
     @property
     def beam_search(self) -> BeamSearch | None:

@@ -74,18 +74,18 @@ class SequenceGroups:
                 sequence_output(root, seq.token_ids, finish_reason=seq.finish_reason, sequence_index=i)
                 for i, seq in enumerate(search.returned_sequences())
             ]
-        if len(group.members) == 1:  # first round: every row was the prompt's; the other beams fork off it
+        first_round = len(group.members) == 1
+        if first_round:  # every row was the prompt's: the other beams fork off it
             for slot in range(1, group.num_sequences):
                 self._start_fork(group.add_member(f"{root.request_id}.beam{slot}", root.params, slot), root)
-            sources = [root] * group.num_sequences
-        else:
-            sources = [group.members[p] for p in beam_round.parents]
+        members = group.members  # (a new list each time)
+        sources = [root] * group.num_sequences if first_round else [members[p] for p in beam_round.parents]
         taken = [
             (source.all_token_ids + [token], source.num_computed_tokens)
             for source, token in zip(sources, beam_round.tokens)
         ]
-        self.kv.share(group.members, sources)
-        for member, (token_ids, num_computed) in zip(group.members, taken):
+        self.kv.share(members, sources)
+        for member, (token_ids, num_computed) in zip(members, taken):
             member.all_token_ids = token_ids
             member.num_computed_tokens = num_computed
             self._forget(member)  # its tokens and table are another beam's now: the runner rebuilds its state
