@@ -30,7 +30,7 @@ from .model.runner import ModelRunner
 from .model.tensor_parallel import check_lockstep, making_requests
 from .model.weights_version import rewired_message
 from .outputs import RequestOutput, progress_output
-from .prompts import PromptMaker, check_batch, check_tokenizer
+from .prompts import PromptMaker, check_batch, check_request_id, check_tokenizer
 from .sampling.sampler import StepResult
 
 
@@ -381,25 +381,20 @@ class Engine(Client):
             with self.core.lock:
                 if self.core.closed:  # unpatched since the checks (unpatch closes the engine under this lock)
                     raise ModelUnpatched(UNPATCHED)
-                requests, taken = [], set()
-                chosen = {request_id for request_id in request_ids or () if isinstance(request_id, str)}
-                for prompt, kwargs, request_id in zip(prompts, settings, request_ids or [None] * len(prompts)):
+                requests, taken, make = [], set(), self.core.prompts.make_one
+                ids = request_ids or [None] * len(prompts)
+                chosen = {request_id for request_id in ids if isinstance(request_id, str)}
+                for index, (prompt, kwargs, request_id) in enumerate(zip(prompts, settings, ids)):
                     if kwargs.get("streamer") is not None:
                         raise ValueError(
                             "streamer= is for generate_many with one prompt; read Engine.step() outputs instead"
                         )
-                    if request_id is not None and (not isinstance(request_id, str) or "." in request_id):
-                        raise ValueError(
-                            f"request_id must be a string without '.', got {request_id!r} (hfpaged names the "
-                            "parallel samples and beams of a prompt '<request_id>.<n>')"
-                        )
-                    if request_id is not None and (request_id in self.core.owners or request_id in taken):
-                        raise ValueError(f"request_id {request_id!r} is already in use")
+                    check_request_id(request_id, lambda i: i in self.core.owners or i in taken)
                     if request_id is None:
                         request_id = self.core.prompts.new_id(chosen | taken)
                     taken.add(request_id)
                     kwargs = {key: value for key, value in kwargs.items() if key != "streamer"}
-                    make = self.core.prompts.make_one
-                    requests.append(make(prompt, generation_config, kwargs, self.tokenizer, request_id))
+                    named = index if len(prompts) > 1 else None  # (add_request's one prompt: not named)
+                    requests.append(make(prompt, generation_config, kwargs, self.tokenizer, request_id, named))
                 self.submit(requests)
         return [request.request_id for request in requests]

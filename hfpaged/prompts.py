@@ -207,13 +207,17 @@ class PromptMaker:
         kwargs: dict[str, Any],
         tokenizer: Any,
         request_id: str | None,
+        index: int | None = None,
     ) -> Request:
-        """The request of one prompt of an ``Engine.add_requests`` call. Prompts with the same settings share
-        one merged config (as the prompts of a ``generate_many`` call do), across calls too while the configs
-        it was merged from are unchanged (``ResolvedConfigCache``)."""
-        generate_kwargs, options = split_call_options(kwargs)
-        resolved = self.resolved_configs.resolve(self.model, generation_config, generate_kwargs)
-        request = self.make(prompt, resolved, CallOptions(**options), tokenizer, index=None, request_id=request_id)
+        """The request of one prompt of an ``Engine.add_requests`` call (its errors name ``index``, its place in the
+        call, where given). Prompts with the same settings share one merged config (as the prompts of a
+        ``generate_many`` call do), across calls too while the configs it was merged from are unchanged
+        (``ResolvedConfigCache``)."""
+        with naming_prompt(index, True):  # the settings' errors; make names the prompt in its own
+            generate_kwargs, options = split_call_options(kwargs)
+            resolved = self.resolved_configs.resolve(self.model, generation_config, generate_kwargs)
+        request = self.make(prompt, resolved, CallOptions(**options), tokenizer, index=index, request_id=request_id)
+        request.index = None  # an Engine request has no place in a caller's list of results
         _warn_about_lengths(self.model, request, resolved)
         return request
 
@@ -336,3 +340,16 @@ def check_batch(prompts: Any, settings: Any, request_ids: Any) -> None:
             f"add_requests needs one settings dict (and request id) per prompt: {len(prompts)} prompts, "
             f"{len(settings)} settings" + ("" if request_ids is None else f", {len(request_ids)} request ids")
         )
+
+
+def check_request_id(request_id: Any, in_use: Callable[[str], bool]) -> None:
+    """ValueError for an ``Engine`` request id that is not a string without '.', or is ``in_use``; None passes."""
+    if request_id is None:
+        return
+    if not isinstance(request_id, str) or "." in request_id:
+        raise ValueError(
+            f"request_id must be a string without '.', got {request_id!r} (hfpaged names the parallel samples and "
+            "beams of a prompt '<request_id>.<n>')"
+        )
+    if in_use(request_id):
+        raise ValueError(f"request_id {request_id!r} is already in use")

@@ -435,8 +435,12 @@ def test_engine_add_requests_is_all_or_none(model):
     prompts = random_prompts([4, 9, 6], seed=15)
     expected = reference_generate(model, prompts, max_new_tokens=4, do_sample=False)
     greedy = {"max_new_tokens": 4, "do_sample": False}
-    with pytest.raises(ValueError, match="outside the vocabulary"):  # the third is bad: none is queued
+    with pytest.raises(ValueError, match="^prompt 2 has token id .* outside the vocabulary"):  # none is queued
         engine.add_requests([prompts[0], prompts[1], [VOCAB + 5]], [greedy] * 3, ["a", "b", "c"])
+    with pytest.raises(ValueError, match="^prompt 1: temperature must be"):  # the errors name the prompt
+        engine.add_requests(prompts[:2], [greedy, {"do_sample": True, "temperature": -1.0}])
+    with pytest.raises(ValueError, match="^the prompt has token id"):  # add_request's one prompt: not numbered
+        engine.add_request([VOCAB + 5], **greedy)
     with pytest.raises(ValueError, match="already in use"):
         engine.add_requests(prompts[:2], [greedy] * 2, ["a", "a"])
     with pytest.raises(ValueError, match="one settings dict"):
