@@ -372,9 +372,12 @@ class Engine(Client):
         request_ids: list[str | None] | None = None,
         *,
         generation_config: GenerationConfig | None = None,
+        name_prompts: bool = True,
     ) -> list[str]:
         """Queue several prompts at once, each with its own generate-style settings (``settings[i]``), and return
-        their ids: all or none (a bad prompt or setting raises and queues nothing); the weights are checked once."""
+        their ids: all or none (a bad prompt or setting raises and queues nothing); the weights are checked once.
+        Errors name the prompt by its place in ``prompts`` unless ``name_prompts`` is False (the server's
+        requests: not the client's list)."""
         with making_requests(self.core.state):  # tensor parallel: a rank's refusal is every rank's
             check_batch(prompts, settings, request_ids)
             self.core.check_weights(self.model)
@@ -394,7 +397,7 @@ class Engine(Client):
                         request_id = self.core.prompts.new_id(chosen | taken)
                     taken.add(request_id)
                     kwargs = {key: value for key, value in kwargs.items() if key != "streamer"}
-                    named = index if len(prompts) > 1 else None  # (add_request's one prompt: not named)
+                    named = index if len(prompts) > 1 and name_prompts else None  # (add_request's: not named)
                     requests.append(make(prompt, generation_config, kwargs, self.tokenizer, request_id, named))
                 self.submit(requests)
         return [request.request_id for request in requests]

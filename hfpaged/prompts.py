@@ -213,11 +213,10 @@ class PromptMaker:
         call, where given). Prompts with the same settings share one merged config (as the prompts of a
         ``generate_many`` call do), across calls too while the configs it was merged from are unchanged
         (``ResolvedConfigCache``)."""
-        with naming_prompt(index, True):  # the settings' errors; make names the prompt in its own
+        with naming_prompt(index, True):  # (not make's index: it is also the batch_id prefix_allowed_tokens_fn sees)
             generate_kwargs, options = split_call_options(kwargs)
             resolved = self.resolved_configs.resolve(self.model, generation_config, generate_kwargs)
-        request = self.make(prompt, resolved, CallOptions(**options), tokenizer, index=index, request_id=request_id)
-        request.index = None  # an Engine request has no place in a caller's list of results
+            request = self.make(prompt, resolved, CallOptions(**options), tokenizer, index=None, request_id=request_id)
         _warn_about_lengths(self.model, request, resolved)
         return request
 

@@ -439,6 +439,8 @@ def test_engine_add_requests_is_all_or_none(model):
         engine.add_requests([prompts[0], prompts[1], [VOCAB + 5]], [greedy] * 3, ["a", "b", "c"])
     with pytest.raises(ValueError, match="^prompt 1: temperature must be"):  # the errors name the prompt
         engine.add_requests(prompts[:2], [greedy, {"do_sample": True, "temperature": -1.0}])
+    with pytest.raises(ValueError, match="^prompt 1: seed must be an int"):  # (raised after the settings merged)
+        engine.add_requests(prompts[:2], [greedy, {**greedy, "seed": "x"}])
     with pytest.raises(ValueError, match="^the prompt has token id"):  # add_request's one prompt: not numbered
         engine.add_request([VOCAB + 5], **greedy)
     with pytest.raises(ValueError, match="already in use"):
@@ -457,6 +459,33 @@ def test_engine_add_requests_is_all_or_none(model):
         for out in engine.step():
             gained[out.request_id].extend(out.new_token_ids)
     assert [gained[i] for i in ids] == [expected[0], expected[1][:2], expected[2]]
+    assert all_free(model)
+
+
+def test_engine_requests_are_batch_0_of_prefix_allowed_tokens_fn(model):
+    # an Engine request has no place in a list: prefix_allowed_tokens_fn sees batch_id 0 for every one, whether
+    # added alone or in an add_requests call (whose errors name the prompt by its place, and only its errors)
+    prompts = random_prompts([4, 6, 5], seed=1)
+    seen = set()
+
+    def allowed(batch_id, input_ids):
+        seen.add(batch_id)
+        return [10 + batch_id, 20 + batch_id]
+
+    settings = {"max_new_tokens": 4, "do_sample": False, "prefix_allowed_tokens_fn": allowed}
+    expected = reference_generate(model, prompts, **settings)
+    for add in (
+        lambda e: e.add_requests(prompts, [settings] * 3),
+        lambda e: [e.add_request(p, **settings) for p in prompts],
+    ):
+        engine = hfpaged.Engine(model)
+        ids = add(engine)
+        gained = {i: [] for i in ids}
+        while engine.has_unfinished():
+            for out in engine.step():
+                gained[out.request_id].extend(out.new_token_ids)
+        assert [gained[i] for i in ids] == expected
+    assert seen == {0}
     assert all_free(model)
 
 

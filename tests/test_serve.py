@@ -546,6 +546,13 @@ BAD_INPUTS = [
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "n": 40, "temperature": 1}, 400, None, "max_num_seqs"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "n": 129}, 400, "n", "less than or equal to 128"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": [[5, 999999]]}, 400, None, "outside the vocabulary"),
+    (  # greedy n > 1: one engine request per choice, whose place among them is not the client's prompt's
+        "/v1/completions",
+        {"model": MODEL_NAME, "prompt": [[5, 6], [5, 999999]], "n": 2, "temperature": 0},
+        400,
+        None,
+        "the prompt has token id 999999",
+    ),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias", "token ids"),
     (
         "/v1/completions",

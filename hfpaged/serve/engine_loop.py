@@ -290,7 +290,7 @@ class EngineLoop:
         for attempt in range(2):
             engine = self._follow_repatch()  # (a re-patch while the loop slept)
             try:
-                engine.add_requests(*args, [s.request_id for _, s in submissions])
+                engine.add_requests(*args, [s.request_id for _, s in submissions], name_prompts=False)
                 break
             # re-patched since the line above (a stale handle: its checks raise either): once more, on the new one
             except (RuntimeError, ReferenceError):
