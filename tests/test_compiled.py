@@ -110,23 +110,42 @@ def test_every_graph_bucket_shares_each_regions_graphs():
     assert not counters["graph_break"]
 
 
-def test_layers_trace_once_and_layers_with_other_floats_get_their_own_graph():
+def test_layers_trace_once_and_layers_with_other_floats_share_one_graph():
     # Float attributes are constants of the trace (custom_ops._constant_floats): left symbolic, the attention's
     # scaling reached the custom op as a float dynamo could not make a tensor, and the layer's whole trace restarted
-    # (compile_attempt_1: ~2 s of every start on an H200). Constants are guarded by value: a layer whose norm eps
-    # differs from the others' must get a graph of its own and decode exactly.
-    torch._dynamo.reset()
+    # (compile_attempt_1: ~2 s of every start on an H200). Where the layers' floats differ (a norm eps per layer,
+    # PEFT's alpha_pattern) constants would compile a graph per layer, past dynamo's recompile limit (8) none: those
+    # layers keep symbolic floats and share one graph, and must decode exactly either way.
     metrics = torch._dynamo.utils.compilation_time_metrics
-    metrics.clear()
+    prompts = random_prompts([5, 9, 3], seed=2)
+    for distinct_eps in (False, True):
+        torch._dynamo.reset()
+        metrics.clear()
+        model = make_model("llama", num_hidden_layers=10)
+        if distinct_eps:
+            for i, layer in enumerate(model.model.layers):
+                layer.input_layernorm.variance_epsilon = 1e-6 * 2**i
+        expected = reference_generate(model, prompts, max_new_tokens=3, do_sample=False)
+        generated, runner = compiled_decode(model, prompts, max_new_tokens=3)
+        assert generated == expected
+        assert _num_compiled(runner._compiled.block_function) == 1  # ten layers, one graph
+        assert "compile_attempt_0" in metrics  # the metric read below exists in this torch
+        assert ("compile_attempt_1" in metrics) == distinct_eps  # the restart only where the floats differ
+        hfpaged.unpatch(model)
+
+
+def test_floats_differ_reads_module_and_dict_attributes():
     model = make_model("llama", num_hidden_layers=3)
-    model.model.layers[1].input_layernorm.variance_epsilon = 1e-2
-    prompts = random_prompts([5, 9, 3], seed=6)
-    expected = reference_generate(model, prompts, max_new_tokens=3, do_sample=False)
-    generated, runner = compiled_decode(model, prompts, max_new_tokens=3)
-    assert generated == expected
-    assert "compile_attempt_0" in metrics  # the metric read below exists in this torch
-    assert "compile_attempt_1" not in metrics  # no trace was restarted
-    assert _num_compiled(runner._compiled.block_function) == 2  # layers 0 and 2 share one, layer 1 has its own
+    layers = list(model.model.layers)
+    assert not custom_ops._floats_differ(layers)
+    layers[2].mlp.scaling = {"default": 2.0}  # as PEFT keeps a LoRA layer's scaling per adapter
+    assert custom_ops._floats_differ(layers)
+    for layer in layers[:2]:
+        layer.mlp.scaling = {"default": 2.0}
+    assert not custom_ops._floats_differ(layers)
+    layers[0].mlp.scaling["default"] = 4.0
+    assert custom_ops._floats_differ(layers)
+    assert not custom_ops._floats_differ([])
 
 
 @pytest.mark.slow

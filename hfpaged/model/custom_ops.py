@@ -16,9 +16,9 @@ once per process for every bucket: sizes are dynamic with duck sizing off (``_di
 max_seqlen_q hint travels offset by ``MAX_SEQLEN_Q_OFFSET`` so that decode (1) and mixed (16+) steps share one
 symbol, and the runner leaves out a batch-1 decode graph (a lone sequence pads into the 2-row graph), since
 dynamo specialises sizes 0 and 1 and would trace the layers again for it (unless batch-1 projections run as GEMVs:
-then that graph is traced for them). Float attributes are constants (``_constant_floats``). The compiled functions keep no
-reference to the model; the instance forwards are removed when the forward returns, so stock calls run exactly
-as unpatched. A model whose attention modules sit in no ``ModuleList`` falls back to compiling the whole
+then that graph is traced for them). Float attributes are constants unless they differ between layers
+(``_constant_floats``). The compiled functions keep no reference to the model; the instance forwards are removed
+when the forward returns, so stock calls run exactly as unpatched. A model whose attention modules sit in no ``ModuleList`` falls back to compiling the whole
 forward.
 """
 
@@ -259,22 +259,41 @@ def _distinct_size_symbols() -> Iterator[None]:
     (torch's experimental ``backed_size_oblivious``) the layer's graph guards ``tokens != 1`` (notes/engine_perf.md,
     session 7)."""
     if getattr(fx_config, "use_duck_shape", None) is None:  # an older torch without the switch
-        with _sizes_lock, _constant_floats():
+        with _sizes_lock:
             yield
         return
-    with _sizes_lock, fx_config.patch(use_duck_shape=False), _constant_floats():
+    with _sizes_lock, fx_config.patch(use_duck_shape=False):
         yield
 
 
-def _constant_floats():
-    """Dynamo takes the float attributes a layer reads (the attention's scaling, the norms' eps, the rotary
-    scaling) as constants, guarded by value. Left symbolic (torch's default), the attention's scaling reaches the
-    custom op as a float that dynamo cannot turn into a tensor, and the layer's whole trace restarts with it
-    specialised: ~2 s of every start spent on a trace thrown away (H200, session 38: 2.0 of a 12.4 s warm start).
-    Layers whose floats differ get graphs of their own."""
-    if not hasattr(torch._dynamo.config, "specialize_float"):
+def _constant_floats(blocks: list[torch.nn.Module]):
+    """Dynamo takes the float attributes a layer reads (the attention's scaling, the norms' eps, LoRA's scaling) as
+    constants, guarded by value, unless they differ between layers of one class. Left symbolic (torch's default),
+    the attention's scaling reaches the custom op as a float that dynamo cannot turn into a tensor, and the layer's
+    whole trace restarts with it specialised: ~2 s of every start spent on a trace thrown away (H200, session 38:
+    2.0 of a 12.4 s warm start). As constants, layers whose floats differ (a norm eps per layer, PEFT's
+    ``alpha_pattern``) would each compile a graph of their own, and past dynamo's recompile limit (8) run uncompiled:
+    those models keep symbolic floats, one shared graph and the restart."""
+    if not hasattr(torch._dynamo.config, "specialize_float") or _floats_differ(blocks):
         return contextlib.nullcontext()
     return torch._dynamo.config.patch(specialize_float=True)
+
+
+def _floats_differ(blocks: list[torch.nn.Module]) -> bool:
+    """Whether two layers of one class hold different float attributes (on any of their modules, or as values of a
+    dict attribute, as PEFT keeps its scaling per adapter)."""
+    seen: dict[type, tuple] = {}
+    for block in blocks:
+        floats = []
+        for name, module in block.named_modules():
+            for key, value in vars(module).items():
+                if type(value) is float:
+                    floats.append((name, key, repr(value)))
+                elif type(value) is dict:
+                    floats += [(name, key, k, repr(v)) for k, v in value.items() if type(v) is float]
+        if seen.setdefault(type(block), tuple(floats)) != tuple(floats):
+            return True
+    return False
 
 
 @contextmanager
@@ -372,10 +391,10 @@ class CompiledStepForward:
         keep = 0 if logits_indices is None else logits_indices  # 0: every row
         blocks, others = compile_regions(model) if self.regional else ([], [])
         if not blocks:
-            with _distinct_size_symbols():
+            with _distinct_size_symbols(), _constant_floats([]):
                 return self.whole_forward(model, *step_tensors, max_seqlen_q, keep)
         regions = [(m, self.block_forward) for m in blocks] + [(m, self.other_forward) for m in others]
-        with _distinct_size_symbols(), _compiled_forwards(regions):
+        with _distinct_size_symbols(), _constant_floats(blocks), _compiled_forwards(regions):
             return self._forward(model, *step_tensors, max_seqlen_q, keep)
 
 
