@@ -474,37 +474,29 @@ def test_engine_requests_are_batch_0_of_prefix_allowed_tokens_fn(model):
 
     settings = {"max_new_tokens": 4, "do_sample": False, "prefix_allowed_tokens_fn": allowed}
     expected = reference_generate(model, prompts, **settings)
-    for add in (
-        lambda e: e.add_requests(prompts, [settings] * 3),
-        lambda e: [e.add_request(p, **settings) for p in prompts],
-    ):
-        engine = hfpaged.Engine(model)
-        ids = add(engine)
-        gained = {i: [] for i in ids}
-        while engine.has_unfinished():
-            for out in engine.step():
-                gained[out.request_id].extend(out.new_token_ids)
-        assert [gained[i] for i in ids] == expected
+    assert engine_tokens(model, lambda e: e.add_requests(prompts, [settings] * 3)) == expected
+    assert engine_tokens(model, lambda e: [e.add_request(p, **settings) for p in prompts]) == expected
     assert seen == {0}
     assert all_free(model)
+
+
+def engine_tokens(model, add) -> list[list[int]]:
+    """The tokens each request of ``add(engine)`` (its ids) generates, run to the end on a new Engine handle."""
+    engine = hfpaged.Engine(model)
+    ids = add(engine)
+    gained = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            gained[out.request_id].extend(out.new_token_ids)
+    return [gained[i] for i in ids]
 
 
 def test_engine_add_requests_sharing_settings_sample_like_add_request(model):
     """Prompts of one add_requests call with the same settings share one merged config; seeds stay their own."""
     prompt = random_prompts([8], seed=16)[0]
-
-    def run(add):
-        engine = hfpaged.Engine(model)
-        ids = add(engine)
-        gained = {i: [] for i in ids}
-        while engine.has_unfinished():
-            for out in engine.step():
-                gained[out.request_id].extend(out.new_token_ids)
-        return [gained[i] for i in ids]
-
     settings = [dict(max_new_tokens=6, do_sample=True, top_k=8, seed=seed) for seed in (1, 2, 1)]
-    together = run(lambda e: e.add_requests([prompt] * 3, settings))
-    alone = run(lambda e: [e.add_request(prompt, **s) for s in settings])
+    together = engine_tokens(model, lambda e: e.add_requests([prompt] * 3, settings))
+    alone = engine_tokens(model, lambda e: [e.add_request(prompt, **s) for s in settings])
     assert together == alone and together[0] == together[2] != together[1]
     assert all_free(model)
 
