@@ -24,8 +24,11 @@ def naming_prompt(index: int | None, own_settings: bool) -> Iterator[None]:
     except (ValueError, TypeError) as error:
         if not own_settings or index is None or str(error).startswith(prompt_name(index)):
             raise
-        text = str(error)  # "the prompt has ..." (made without its index) becomes "prompt 3 has ..."
-        text = prompt_name(index) + text[10:] if text.startswith("the prompt ") else f"{prompt_name(index)}: {text}"
+        text, unnamed = str(error), prompt_name(None)
+        if text.startswith(unnamed + " "):  # made without its index: "the prompt has ..." -> "prompt 3 has ..."
+            text = prompt_name(index) + text[len(unnamed) :]
+        else:
+            text = f"{prompt_name(index)}: {text}"
         try:
             named = type(error)(text)
         except Exception:  # an exception class that takes other arguments: as it is

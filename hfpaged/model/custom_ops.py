@@ -18,8 +18,8 @@ symbol, and the runner leaves out a batch-1 decode graph (a lone sequence pads i
 dynamo specialises sizes 0 and 1 and would trace the layers again for it (unless batch-1 projections run as GEMVs:
 then that graph is traced for them). Float attributes are constants unless they differ between layers
 (``_constant_floats``). The compiled functions keep no reference to the model; the instance forwards are removed
-when the forward returns, so stock calls run exactly as unpatched. A model whose attention modules sit in no ``ModuleList`` falls back to compiling the whole
-forward.
+when the forward returns, so stock calls run exactly as unpatched. A model whose attention modules sit in no
+``ModuleList`` falls back to compiling the whole forward.
 """
 
 from __future__ import annotations

@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="torch.compile the decoder layers of the CUDA-graph steps, decode and mixed (default: on for CUDA; --no-compile: off)",
+        help="torch.compile the decoder layers of the CUDA-graph steps, decode and mixed (default: on for CUDA; "
+        "--no-compile: off)",
     )
     serve.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     serve.add_argument(
