@@ -25,14 +25,16 @@ def naming_prompt(index: int | None, own_settings: bool) -> Iterator[None]:
         if not own_settings or index is None or str(error).startswith(prompt_name(index)):
             raise
         text, unnamed = str(error), prompt_name(None)
-        if text.startswith(unnamed + " "):  # made without its index: "the prompt has ..." -> "prompt 3 has ..."
-            text = prompt_name(index) + text[len(unnamed) :]
+        if text.startswith(unnamed) and text[len(unnamed) : len(unnamed) + 1] in (" ", ":"):  # made without its index
+            text = prompt_name(index) + text[len(unnamed) :]  # "the prompt has ..." -> "prompt 3 has ..."
         else:
             text = f"{prompt_name(index)}: {text}"
         try:
             named = type(error)(text)
-        except Exception:  # an exception class that takes other arguments: as it is
-            raise error from None
+        except Exception:  # an exception class that takes other arguments: as it is, its cause kept
+            named = None
+        if named is None:
+            raise
         raise named from error
 
 

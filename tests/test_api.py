@@ -441,6 +441,8 @@ def test_engine_add_requests_is_all_or_none(model):
         engine.add_requests(prompts[:2], [greedy, {"do_sample": True, "temperature": -1.0}])
     with pytest.raises(ValueError, match="^prompt 1: seed must be an int"):  # (raised after the settings merged)
         engine.add_requests(prompts[:2], [greedy, {**greedy, "seed": "x"}])
+    with pytest.raises(ValueError, match="^prompt 1: forced_bos_token_id=500 is outside"):  # named once
+        engine.add_requests(prompts[:2], [greedy, {**greedy, "forced_bos_token_id": 500}])
     with pytest.raises(ValueError, match="^the prompt has token id"):  # add_request's one prompt: not numbered
         engine.add_request([VOCAB + 5], **greedy)
     with pytest.raises(ValueError, match="already in use"):

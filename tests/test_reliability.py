@@ -1145,6 +1145,24 @@ def test_malformed_settings_name_what_was_wrong(model, kwargs, message):
     assert all_free(model)
 
 
+def test_naming_a_prompt_keeps_errors_it_cannot_rebuild_as_they_are():
+    from hfpaged.prompt_forms import naming_prompt
+
+    class TwoArguments(ValueError):
+        def __init__(self, message, code):
+            super().__init__(message)
+            self.code = code
+
+    cause = KeyError("k")
+    with pytest.raises(TwoArguments) as raised, naming_prompt(2, True):
+        raise TwoArguments("bad value", 7) from cause
+    assert raised.value.code == 7 and raised.value.__cause__ is cause  # not rebuilt: its cause and fields kept
+    with pytest.raises(ValueError, match=r"^prompt 2 has 3 tokens$"), naming_prompt(2, True):
+        raise ValueError("the prompt has 3 tokens")
+    with pytest.raises(ValueError, match=r"^prompt 2: x=1 is wrong$"), naming_prompt(2, True):
+        raise ValueError("the prompt: x=1 is wrong")
+
+
 def test_numpy_prompts_and_2d_batches_work_like_tensors(model):
     prompts = random_prompts([6, 6, 6], seed=10)
     expected = stock(model, prompts)

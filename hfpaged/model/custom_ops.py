@@ -271,9 +271,11 @@ def _constant_floats(blocks: list[torch.nn.Module]):
     constants, guarded by value, unless they differ between layers of one class. Left symbolic (torch's default),
     the attention's scaling reaches the custom op as a float that dynamo cannot turn into a tensor, and the layer's
     whole trace restarts with it specialised: ~2 s of every start spent on a trace thrown away (H200, session 38:
-    2.0 of a 12.4 s warm start). As constants, layers whose floats differ (a norm eps per layer, PEFT's
+    2.0 of a 12.4 s warm start). As constants, layers whose floats differ (an RMSNorm eps per layer, PEFT's
     ``alpha_pattern``) would each compile a graph of their own, and past dynamo's recompile limit (8) run uncompiled:
-    those models keep symbolic floats, one shared graph and the restart."""
+    those models keep symbolic floats, one shared graph and the restart. (Floats that dynamo makes constants anyway,
+    e.g. ``nn.LayerNorm``'s eps, compile a graph per distinct value either way; floats held in other objects than
+    modules and dicts are not compared.)"""
     if not hasattr(torch._dynamo.config, "specialize_float") or _floats_differ(blocks):
         return contextlib.nullcontext()
     return torch._dynamo.config.patch(specialize_float=True)
