@@ -248,9 +248,10 @@ def _decode_with(model, runner, prompts, max_new_tokens, max_steps=None):
     engine = hfpaged.Engine(model)
     for p in prompts:
         engine.add_request(p, max_new_tokens=max_new_tokens, do_sample=False)
-    engine.step()  # prefill, eager
     core = engine.core
-    requests = list(core.scheduler.running)
+    requests = list(core.scheduler.waiting)  # in prompt order; those whose first token ends them finish at prefill
+    assert len(requests) == len(prompts)
+    engine.step()  # prefill, eager
     num_steps = 0
     while core.has_unfinished() and (max_steps is None or num_steps < max_steps):
         out = core.scheduler.schedule()
