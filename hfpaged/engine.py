@@ -254,9 +254,11 @@ class EngineCore:
         try:
             check_attention_implementation(state.attn_configs)
             warn_if_autocast()
-            changed, rewired = state.weights.check(model)
-            if changed:
-                with self.lock:
+            # the check and what it drops at once: a caller whose check ran between another's (which saw the change
+            # and kept the new fingerprint) and its reset would find the change seen and step on old prefix blocks
+            with self.lock:
+                changed, rewired = state.weights.check(model)
+                if changed:
                     # resize_token_embeddings: prompts and token lists are checked against the vocabulary as it is now
                     state.vocab_size = model.get_input_embeddings().weight.shape[0]
                     self.kv.reset_prefix_cache()
