@@ -121,6 +121,7 @@ def _paged_attention_kernel(
     # of a mixed step's prompt chunks) as a launch of their own: 0 = every sequence; 1 (ONE_QUERY) = only those; 2 =
     # all but those
     LEADING_ROWS: tl.constexpr = 0,
+    SKIP_FRESH: tl.constexpr = False,  # sequences with no cached context are left alone (prompt_gluon.py does them)
 ):
     if ONE_QUERY:
         program = tl.program_id(0)
@@ -153,6 +154,10 @@ def _paged_attention_kernel(
         if LEADING_ROWS == 2:  # noqa: SIM102
             if (q_start == seq) & (q_end == seq + 1):
                 wait_for_previous_kernel(USE_PDL)  # every row may be a leading one (as above)
+                return
+        if SKIP_FRESH:  # noqa: SIM102
+            if seq_len == q_end - q_start:
+                wait_for_previous_kernel(USE_PDL)
                 return
     if STORE_KV:
         slot = tl.load(slot_mapping_ptr + q_start).to(tl.int64)  # a step input too

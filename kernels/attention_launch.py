@@ -34,11 +34,12 @@ def split_workspace(rows: int, head_dim_v_pad: int, device: torch.device) -> tup
 def launch_attention_kernel(
     q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, split_bufs, *, config: AttentionConfig,
     num_programs: int, scale, softcap, sliding_window, k_scale, v_scale, sinks, descriptors, store, launch_pdl,
-    leading_rows: int = 0,
+    leading_rows: int = 0, skip_fresh: bool = False,
 ) -> None:  # fmt: skip
     """One launch of ``_paged_attention_kernel`` (its parameters: attention_kernel.py). ``descriptors``: (k_step,
     v_step, k_ctx, v_ctx, ctx_offsets) or Nones; ``store``: (key, value, slots) or None; ``split_bufs``: (acc, max,
-    sum) when config.num_splits > 1; ``leading_rows``: the kernel's LEADING_ROWS (0, 1 or 2)."""
+    sum) when config.num_splits > 1; ``leading_rows``: the kernel's LEADING_ROWS (0, 1 or 2); ``skip_fresh``: its
+    SKIP_FRESH (sequences with no cached context left alone: prompt_gluon.py's kernel does them)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     head_dim_v = v_cache.shape[3]
@@ -115,6 +116,7 @@ def launch_attention_kernel(
         FP8_MAX=FP8_MAX.get(k_cache.dtype, 0.0),
         USE_SINKS=sinks is not None,
         LEADING_ROWS=leading_rows,
+        SKIP_FRESH=skip_fresh,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(launch_pdl),

@@ -57,6 +57,7 @@ from .context_rows import (
 )
 from .dependent_launch import check_launch_pdl
 from .fp8_decode import fp8_decode, fp8_decode_usable
+from .prompt_gluon import attend_fresh_prompts, fresh_prompts_usable
 from .store_kv import store_kv
 
 # Context rows (context_rows.py): only in steps of at least this many tokens (a smaller step's copy launch would cost
@@ -209,10 +210,17 @@ def paged_attention_with_config(
             store=store, split=(*split_bufs, config.num_splits, min_split_keys) if split else None,
         )  # fmt: skip
     else:
+        # fresh prompts (no cached context) on Hopper: the Gluon kernel, and the Triton launch skips them
+        fresh = k_desc is not None and fresh_prompts_usable(
+            q, k_cache, v_cache, *step_kv, out, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+            block_m=block_m, tile_n=config.tile_n, one_query=config.one_query, num_splits=config.num_splits,
+        )  # fmt: skip
+        if fresh:
+            attend_fresh_prompts(q, *step_kv, seq_lens, cu_seqlens_q, out, scale=scale)
         launch_attention_kernel(
             q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, split_bufs, config=config,
             num_programs=num_programs, descriptors=(k_desc, v_desc, k_ctx_desc, v_ctx_desc, ctx_offsets),
-            store=store, leading_rows=leading, **options,
+            store=store, leading_rows=leading, skip_fresh=fresh, **options,
         )  # fmt: skip
     if split:
         merge_splits(out, split_bufs, num_tokens, config.num_splits, sinks, launch_pdl)
