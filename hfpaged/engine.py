@@ -382,6 +382,7 @@ class Engine(Client):
         requests: not the client's list)."""
         with making_requests(self.core.state):  # tensor parallel: a rank's refusal is every rank's
             check_batch(prompts, settings, request_ids)
+            self.core.prompts.warm_stop_strings(settings, generation_config, self.tokenizer)  # (slow: not under lock)
             self.core.check_weights(self.model)
             with self.core.lock:
                 if self.core.closed:  # unpatched since the checks (unpatch closes the engine under this lock)
@@ -390,10 +391,6 @@ class Engine(Client):
                 ids = request_ids or [None] * len(prompts)
                 chosen = {request_id for request_id in ids if isinstance(request_id, str)}
                 for index, (prompt, kwargs, request_id) in enumerate(zip(prompts, settings, ids)):
-                    if kwargs.get("streamer") is not None:
-                        raise ValueError(
-                            "streamer= is for generate_many with one prompt; read Engine.step() outputs instead"
-                        )
                     check_request_id(request_id, lambda i: i in self.core.owners or i in taken)
                     if request_id is None:
                         request_id = self.core.prompts.new_id(chosen | taken)

@@ -11,6 +11,7 @@ in the call. Settings that are not GenerationConfig fields are ``CallOptions``.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from collections.abc import Callable, Container
@@ -214,11 +215,29 @@ class PromptMaker:
         ``generate_many`` call do), across calls too while the configs it was merged from are unchanged
         (``ResolvedConfigCache``)."""
         with naming_prompt(index, True):  # (not make's index: it is also the batch_id prefix_allowed_tokens_fn sees)
+            if "generation_config" in kwargs:  # a settings dict's own config, as a generate_many prompt dict's
+                generation_config = kwargs["generation_config"]
+                kwargs = {key: value for key, value in kwargs.items() if key != "generation_config"}
             generate_kwargs, options = split_call_options(kwargs)
             resolved = self.resolved_configs.resolve(self.model, generation_config, generate_kwargs)
             request = self.make(prompt, resolved, CallOptions(**options), tokenizer, index=None, request_id=request_id)
         _warn_about_lengths(self.model, request, resolved)
         return request
+
+    def warm_stop_strings(self, settings: list[Any], generation_config: Any, tokenizer: Any) -> None:
+        """Build the stop-string tables that ``Engine.add_requests``' ``settings`` will use into the shared cache,
+        before the engine's lock is taken (the server: off its engine thread). Over a large vocabulary long strings
+        take seconds, and every other request would wait. Errors are left for ``make_one`` to raise, named."""
+        for kwargs in settings:
+            with contextlib.suppress(Exception):
+                stops = kwargs.get("stop_strings")
+                if stops is None:
+                    config = kwargs.get("generation_config", generation_config) or self.model.generation_config
+                    stops = getattr(config, "stop_strings", None)
+                own_tokenizer = kwargs.get("tokenizer", tokenizer)
+                own_tokenizer = own_tokenizer if own_tokenizer is not None else self.state.tokenizer  # (as make's)
+                if stops and own_tokenizer is not None:
+                    self.stop_string_cache.get(own_tokenizer, stops)
 
     def make(
         self,
@@ -334,6 +353,8 @@ def check_batch(prompts: Any, settings: Any, request_ids: Any) -> None:
     bad = next((i for i, kwargs in enumerate(settings) if not isinstance(kwargs, dict)), None)
     if bad is not None:
         raise TypeError(f"add_requests: settings[{bad}] must be a dict of settings, got {type(settings[bad]).__name__}")
+    if any(kwargs.get("streamer") is not None for kwargs in settings):
+        raise ValueError("streamer= is for generate_many with one prompt; read Engine.step() outputs instead")
     if len(settings) != len(prompts) or (request_ids is not None and len(request_ids) != len(prompts)):
         raise ValueError(
             f"add_requests needs one settings dict (and request id) per prompt: {len(prompts)} prompts, "

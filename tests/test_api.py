@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 from models import GPTJ_CONFIG, VOCAB, make_model, random_prompts, reference_generate, uses_attention_interface
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 import hfpaged
 from hfpaged.model.attention import ATTENTION_NAME, UnsupportedModelError
@@ -123,6 +123,9 @@ def test_unknown_patch_option_and_bad_config_values():
         hfpaged.patch(m, gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="enable_prefix_caching must be True or False, got 'yes'"):
         hfpaged.patch(m, enable_prefix_caching="yes")
+    for name, value in (("swap_space", "4"), ("watermark", float("nan")), ("cpu_kv_cache_gib", float("inf"))):
+        with pytest.raises(ValueError, match=f"{name} must be a finite number, got {value!r}"):
+            hfpaged.patch(m, **{name: value})
     assert not hasattr(m, "_hfpaged")
 
 
@@ -134,6 +137,10 @@ def test_unknown_patch_option_and_bad_config_values():
         dict(gemv=True),
         dict(dependent_launch=True),
         dict(kv_cache_dtype="fp8", kv_cache_scales=[(0.1, 0.1)] * 3),  # 3 pairs for 2 layers (checked in attach)
+        dict(swap_space=float("inf"), preemption_mode="swap"),  # (session 39: nan/inf were converted in attach,
+        dict(cpu_kv_cache_gib=float("nan"), num_blocks=None),  # after the old patch was taken off)
+        dict(cpu_kv_cache_gib=float("inf"), num_blocks=None),
+        dict(gpu_memory_utilization="0.5"),  # (a bare TypeError)
     ],
 )
 def test_a_refused_repatch_leaves_the_working_patch_and_its_requests(model, monkeypatch, options):
@@ -267,6 +274,12 @@ def test_empty_prompt_list_returns_empty(model):
         (torch.tensor([[4, 5]]), {"attention_mask": torch.tensor([[1, 2]])}, r"must hold 0 \(padding\) and 1"),
         ([[4, 5.5]], {}, "prompt 0 must be a string or a list of int"),
         ([[4]], {"seed": "7"}, "seed must be an int, got '7'"),
+        ([{"prompt": [4], "seed": 2**63}], {"do_sample": True}, "seed must be an int of 64 bits"),  # (session 39)
+        ([[4]], {"max_new_tokens": float("inf")}, r"max_new_tokens must be a finite number > 0 \(tokens\), got inf"),
+        ([[4]], {"max_new_tokens": float("nan")}, "max_new_tokens must be a finite number > 0"),
+        ([[4]], {"max_length": float("inf")}, "max_length must be a finite number > 0"),
+        ([[4]], {"max_time": "1"}, "max_time must be a number of seconds, got '1'"),
+        ([[4]], {"max_time": [1]}, "max_time must be a number of seconds"),
         ([[4]], {"num_return_sequences": 0}, "num_return_sequences must be a positive int, got 0"),
         ([[4]], {"num_beams": 0}, "num_beams must be a positive int, got 0"),
         ([[4]], {"eos_token_id": ["</s>"]}, r"eos_token_id must be an int or a list of ints \(token ids\)"),
@@ -441,6 +454,16 @@ def test_engine_add_requests_is_all_or_none(model):
         engine.add_requests(prompts[:2], [greedy, {"do_sample": True, "temperature": -1.0}])
     with pytest.raises(ValueError, match="^prompt 1: seed must be an int"):  # (raised after the settings merged)
         engine.add_requests(prompts[:2], [greedy, {**greedy, "seed": "x"}])
+    with pytest.raises(ValueError, match="^prompt 1: seed must be an int of 64 bits"):  # (it broke every step)
+        engine.add_requests(prompts[:2], [greedy, {"max_new_tokens": 4, "do_sample": True, "seed": 2**63}])
+    with pytest.raises(ValueError, match="^prompt 1: max_time must be a number of seconds"):  # (it broke every step)
+        engine.add_requests(prompts[:2], [greedy, {**greedy, "max_time": "1"}])
+    config = GenerationConfig(max_new_tokens=2, do_sample=False)  # a settings dict's own config (session 39)
+    (with_config,) = engine.add_requests(prompts[:1], [{"generation_config": config}])
+    got = []
+    while engine.has_unfinished():
+        got += [t for out in engine.step() if out.request_id == with_config for t in out.new_token_ids]
+    assert got == expected[0][:2]
     with pytest.raises(ValueError, match="^prompt 1: forced_bos_token_id=500 is outside"):  # named once
         engine.add_requests(prompts[:2], [greedy, {**greedy, "forced_bos_token_id": 500}])
     with pytest.raises(ValueError, match="^the prompt has token id"):  # add_request's one prompt: not numbered

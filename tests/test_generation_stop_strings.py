@@ -1,6 +1,7 @@
 """stop_strings with a real byte-level BPE tokenizer: token-exact with stock ``generate``, including
 stop strings that span several tokens and end inside a token."""
 
+import threading
 import warnings
 
 import pytest
@@ -175,3 +176,48 @@ def test_the_stop_table_cache_is_bounded(tokenizer):
     for stops in (["cd"], ["ef"]):
         cache.get(tokenizer, stops)
     assert len(cache._entries) == 2 and cache.get(tokenizer, ["ab"]) is not first  # the oldest was dropped
+
+
+def test_stop_string_tables_are_built_outside_the_engine_lock(model, tokenizer, prompts, monkeypatch):
+    # (session 39) over a large vocabulary a long stop string's tables take seconds: built under the engine's lock
+    # (Engine.add_requests) or on the server's engine thread, every other request waited for them
+    import hfpaged.sampling.stopping as stopping
+
+    engine = hfpaged.Engine(model, tokenizer=tokenizer)
+    lock = engine.core.lock
+    built = []
+    real = stopping.StopStringCriteria
+
+    def criterion(*args, **kwargs):
+        built.append(lock._is_owned())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stopping, "StopStringCriteria", criterion)
+    stop = {"stop_strings": ["never seen 39"], "max_new_tokens": 3, "do_sample": False}
+    ids = engine.add_requests(prompts[:2], [stop, {**stop, "stop_strings": "never seen 39 either"}])
+    assert built == [False, False], built  # each built once, neither under the lock
+    while engine.has_unfinished():
+        engine.step()
+    assert len(ids) == 2
+
+
+def test_the_server_builds_stop_string_tables_off_its_engine_thread(model, tokenizer, monkeypatch):
+    # the front end's thread (EngineLoop.put) builds them; the engine thread then finds them cached
+    import hfpaged.sampling.stopping as stopping
+    from hfpaged.serve.engine_loop import EngineLoop
+    from hfpaged.serve.messages import AddRequests, Submission
+
+    loop = EngineLoop(model, tokenizer)
+    threads = []
+    real = stopping.StopStringCriteria
+
+    def criterion(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stopping, "StopStringCriteria", criterion)
+    settings = {"stop_strings": ["off the loop 39"], "max_new_tokens": 2}
+    command = AddRequests(tag=1, submissions=[Submission("r1", [5, 6], settings)])
+    loop.put(command)
+    assert threads == [threading.current_thread()]
+    assert loop.commands.get_nowait() == (0, command)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def _finite_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -61,6 +66,10 @@ class EngineConfig:
         positive_int("max_num_batched_tokens")
         if self.num_blocks is not None:
             positive_int("num_blocks")
+        for name in ("gpu_memory_utilization", "swap_space", "watermark", "cpu_kv_cache_gib"):
+            value = getattr(self, name)  # (checked before anything is built: a re-patch keeps the old patch)
+            if not (value is None and name == "swap_space") and not _finite_number(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -52,6 +52,10 @@ def _is_finite(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
 def is_int(value: object) -> bool:
     """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -76,8 +80,8 @@ class CallOptions:
     top_logprobs: int = 0  # also the top-k alternatives per position (implies return_logprobs)
 
     def __post_init__(self) -> None:
-        if self.seed is not None and not is_int(self.seed):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.seed is not None and not (is_int(self.seed) and -(2**63) <= self.seed < 2**63):
+            raise ValueError(f"seed must be an int of 64 bits (-2**63 <= seed < 2**63), got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_finite(value):
@@ -195,10 +199,12 @@ def _check_supported(config: GenerationConfig) -> None:
             raise ValueError(f"top_k must be a non-negative int, got {config.top_k!r}")
         if config.min_p is not None and not (_is_finite(config.min_p) and 0.0 <= config.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {config.min_p!r}")
-    if config.max_new_tokens is not None and config.max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be > 0, got {config.max_new_tokens}")
-    if config.max_length is not None and config.max_length <= 0:
-        raise ValueError(f"max_length must be > 0, got {config.max_length}")
+    for name in ("max_new_tokens", "max_length"):  # (numpy numbers too, as generate takes them)
+        value = getattr(config, name)
+        if value is not None and not (_is_real(value) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number > 0 (tokens), got {value!r}")
+    if config.max_time is not None and not _is_real(config.max_time):
+        raise ValueError(f"max_time must be a number of seconds, got {config.max_time!r}")
     for name in ("num_return_sequences", "num_beams"):
         value = getattr(config, name, None)
         if value is not None and (not is_int(value) or value < 1):

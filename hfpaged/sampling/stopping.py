@@ -8,6 +8,7 @@ measured from the request's arrival; other criteria get the request's full ids, 
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections import OrderedDict
@@ -55,6 +56,7 @@ class StopStringCache:
     def __init__(self, max_entries: int = 64):
         self.max_entries = max_entries
         self._entries: OrderedDict[tuple, tuple] = OrderedDict()
+        self._lock = threading.Lock()  # any thread may build tables (``PromptMaker.warm_stop_strings``)
 
     def get(self, tokenizer: Any, stop_strings: str | list[str]) -> StopStringCriteria:
         stops = tuple([stop_strings] if isinstance(stop_strings, str) else stop_strings)
@@ -62,14 +64,19 @@ class StopStringCache:
             key, ref = (id(tokenizer), len(tokenizer), stops), weakref.ref(tokenizer)
         except TypeError:  # no size or no weak reference: tables of its own each time
             return StopStringCriteria(stop_strings=stop_strings, tokenizer=tokenizer)
-        entry = self._entries.get(key)
-        if entry is not None and entry[0]() is tokenizer:
-            self._entries.move_to_end(key)
-            return entry[1]
-        criterion = StopStringCriteria(stop_strings=stop_strings, tokenizer=tokenizer)
-        self._entries[key] = (ref, criterion)
-        if len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry[0]() is tokenizer:
+                self._entries.move_to_end(key)
+                return entry[1]
+        criterion = StopStringCriteria(stop_strings=stop_strings, tokenizer=tokenizer)  # (outside the lock: slow)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry[0]() is tokenizer:  # another thread built them meanwhile: one object
+                return entry[1]
+            self._entries[key] = (ref, criterion)
+            if len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
         return criterion
 
 

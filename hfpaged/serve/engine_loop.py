@@ -128,6 +128,9 @@ class EngineLoop:
     def put(self, command: Any, source: int | None = 0) -> None:
         """Queue a command (``AddRequests``, ``AbortRequests``, ``StopEngine``) of front end ``source``;
         thread-safe. ``StopEngine`` with ``source=None`` stops the whole loop."""
+        if isinstance(command, AddRequests):  # their stop strings' tables: built here, not on the engine thread
+            self.engine.core.prompts.warm_stop_strings([s.generate_kwargs for s in command.submissions], None,
+                                                       self.engine.tokenizer)  # fmt: skip
         self.commands.put((source, command))
 
     @property
