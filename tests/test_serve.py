@@ -570,6 +570,8 @@ BAD_INPUTS = [
         "outside the vocabulary",
     ),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "stop": [""]}, 400, "stop", "empty"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "best_of": True}, 400, "best_of", "not supported"),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": CHAT, "store": 0}, 400, "store", "not supported"),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo", "prompt log"),
     ("/v1/completions", {"model": "gpt-4o", "prompt": "hi"}, 404, "model", "does not exist"),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": []}, 400, "messages", "at least one message"),
@@ -1391,6 +1393,17 @@ def test_a_stopped_in_process_server_lets_the_model_go(tokenizer):
     del m, srv, client
     gc.collect()
     assert model() is None and pool() is None
+
+
+@pytest.mark.parametrize(
+    "option,value",
+    [("shutdown_timeout", float("nan")), ("switch_interval", 0), ("log_level", "bogus"), ("max_waiting", "5"),
+     ("served_model_name", 5), ("api_server_count", 0)],
+)  # fmt: skip
+def test_server_options_are_checked_before_anything_starts(model, tokenizer, option, value):
+    # (session 39: a nan shutdown_timeout served, then crashed the front end on stop; the others gave bare errors)
+    with pytest.raises(ValueError, match=f"^{option} must be"):
+        Server(model, tokenizer, port=0, **{option: value})
 
 
 @pytest.mark.parametrize("frontend_process", MODES, ids=MODE_IDS)

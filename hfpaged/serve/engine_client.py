@@ -97,7 +97,7 @@ class EngineClient:
             raise shutting_down()
         if len(submissions) > self.max_waiting:  # could never be admitted: not a 429 that a retry would fix
             raise invalid_request(
-                f"this request starts {len(submissions)} generations (one per prompt of `prompt`, times `n` when "
+                f"this request starts {len(submissions)} generations (one per prompt, times `n` when "
                 f"greedy) but at most {self.max_waiting} may wait at once (the server's --max-waiting); send fewer"
             )
         if len(self.waiting) + len(submissions) > self.max_waiting:

@@ -146,7 +146,8 @@ def _validate(data: dict, request_type: type[RequestT]) -> RequestT:
     for name, (what, allowed) in UNSUPPORTED_FIELDS.items():
         if name in data:
             value = data.pop(name)
-            if value is not None and value not in allowed:
+            # typed as the request's own fields are: true is not 1, nor 0 false
+            if value is not None and not any(type(value) is type(a) and value == a for a in allowed):
                 raise invalid_request(f"`{name}` is not supported by hfpaged serve ({what})", param=name)
     try:
         return request_type.model_validate(data)

@@ -12,6 +12,7 @@ this process (``create_app``'s single-process app under uvicorn), sharing one GI
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 import shutil
 import signal
@@ -79,10 +80,8 @@ class Server:
                 "request stream; use generate_many on every rank, or data-parallel replicas behind a load balancer"
             )
         self.max_waiting = 1024 if max_waiting is None else max_waiting
-        if self.max_waiting < 1:
-            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
-        if api_server_count < 1:
-            raise ValueError(f"api_server_count must be >= 1, got {api_server_count}")
+        _check_options(self.max_waiting, api_server_count, shutdown_timeout, switch_interval, log_level,
+                       served_model_name)  # fmt: skip
         if api_server_count > 1 and not frontend_process:
             raise ValueError("api_server_count > 1 needs front-end processes: drop frontend_process=False")
         # patches the model with defaults if it is not yet; the engine bounds the waiting requests of all front ends
@@ -314,3 +313,22 @@ def serve(
     )
     print(f"hfpaged: serving {server.serving.model_name} on {server.url}/v1 (Ctrl-C stops)", flush=True)
     server.run()
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+
+
+def _check_options(max_waiting, api_server_count, shutdown_timeout, switch_interval, log_level, served_model_name):
+    """``Server``'s options, checked before anything starts (a ValueError naming the option)."""
+    for name, value in (("max_waiting", max_waiting), ("api_server_count", api_server_count)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    for name, value, low in (("shutdown_timeout", shutdown_timeout, 0), ("switch_interval", switch_interval, 1e-9)):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if value is not None and not (ok and value >= low):
+            more = ">= 0" if low == 0 else "> 0"
+            raise ValueError(f"{name} must be None or a finite number of seconds {more}, got {value!r}")
+    if not isinstance(log_level, str) or log_level.lower() not in LOG_LEVELS:
+        raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {log_level!r}")
+    if served_model_name is not None and not (isinstance(served_model_name, str) and served_model_name):
+        raise ValueError(f"served_model_name must be a non-empty string or None, got {served_model_name!r}")
