@@ -569,3 +569,14 @@ def test_2d_numpy_batches_of_any_layout_are_taken_as_their_rows(model):
         got = model.generate_many(batch, max_new_tokens=3, do_sample=False, attention_mask=np.ones_like(batch)[:, ::-1])
         assert [r.token_ids for r in got] == expected
     assert all_free(model)
+
+
+def test_numpy_integers_for_beams_and_return_sequences_as_generate_takes_them(model):
+    # (session 39) stock generate takes numpy integers here; generate_many refused them
+    prompts = random_prompts([5, 8], seed=21)
+    settings = dict(max_new_tokens=3, do_sample=False, num_beams=2, num_return_sequences=2)
+    expected = [[s.token_ids for s in r.sequences] for r in model.generate_many(prompts, **settings)]
+    numpy_settings = {**settings, "num_beams": np.int64(2), "num_return_sequences": np.int32(2)}
+    got = [[s.token_ids for s in r.sequences] for r in model.generate_many(prompts, **numpy_settings)]
+    assert got == expected and all(len(sequences) == 2 for sequences in got)
+    assert all_free(model)

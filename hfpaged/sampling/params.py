@@ -207,6 +207,9 @@ def _check_supported(config: GenerationConfig) -> None:
         raise ValueError(f"max_time must be a number of seconds, got {config.max_time!r}")
     for name in ("num_return_sequences", "num_beams"):
         value = getattr(config, name, None)
+        if isinstance(value, np.integer):  # as generate takes them
+            value = int(value)
+            setattr(config, name, value)
         if value is not None and (not is_int(value) or value < 1):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
