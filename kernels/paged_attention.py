@@ -211,12 +211,12 @@ def paged_attention_with_config(
         )  # fmt: skip
     else:
         # fresh prompts (no cached context) on Hopper: the Gluon kernel, and the Triton launch skips them
-        fresh = k_desc is not None and fresh_prompts_usable(
+        fresh = k_desc is not None and store is None and fresh_prompts_usable(
             q, k_cache, v_cache, *step_kv, out, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
             block_m=block_m, tile_n=config.tile_n, one_query=config.one_query, num_splits=config.num_splits,
         )  # fmt: skip
         if fresh:
-            attend_fresh_prompts(q, *step_kv, seq_lens, cu_seqlens_q, out, scale=scale)
+            fresh = attend_fresh_prompts(q, *step_kv, seq_lens, cu_seqlens_q, out, scale=scale)
         launch_attention_kernel(
             q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, split_bufs, config=config,
             num_programs=num_programs, descriptors=(k_desc, v_desc, k_ctx_desc, v_ctx_desc, ctx_offsets),

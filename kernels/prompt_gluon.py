@@ -24,7 +24,9 @@ rows TMA can address); ``HFPAGED_GLUON_PROMPTS=0`` turns it off (the Triton kern
 
 from __future__ import annotations
 
+import inspect
 import os
+import warnings
 
 import torch
 
@@ -40,10 +42,11 @@ try:  # Gluon's Hopper API (Triton 3.5 on): elsewhere the Triton kernel does eve
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-    # the TMA load's name: async_copy_global_to_shared until Triton 3.6, async_load after
+    # the TMA load's name: async_copy_global_to_shared in Triton 3.5-3.6, async_load later
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    HAVE_GLUON = True
-except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
+    # warp_specialize([(function, args), ...], warps, registers) from Triton 3.6 on (3.5 took other arguments)
+    HAVE_GLUON = "functions_and_args" in inspect.signature(gl.warp_specialize).parameters
+except (ImportError, AttributeError, TypeError, ValueError):  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
 ENABLED = os.environ.get("HFPAGED_GLUON_PROMPTS", "1") != "0"
@@ -66,6 +69,8 @@ def fresh_prompts_usable(q, k_cache, v_cache, key, value, out, *, sliding_window
     if (sliding_window is not None and sliding_window > 0) or (softcap is not None and softcap > 0):
         return False
     if sinks is not None or q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if torch.version.hip is not None:  # (an MI200 reports capability 9.0 too)
         return False
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or q.shape[2] != HEAD_DIM:
         return False
@@ -99,17 +104,25 @@ def _descriptor(t: torch.Tensor, rows: int) -> GluonDescriptor:
     return GluonDescriptor(t, list(t.shape), list(t.stride()), [rows, 1, HEAD_DIM], layout)
 
 
-def attend_fresh_prompts(q, key, value, seq_lens, cu_seqlens_q, out, *, scale: float) -> None:
+def attend_fresh_prompts(q, key, value, seq_lens, cu_seqlens_q, out, *, scale: float) -> bool:
     """Write ``out``'s rows of every sequence whose keys are all in this step (``seq_lens[b]`` equal to its query
-    run); other rows are left alone. ``fresh_prompts_usable`` must have said yes."""
+    run); other rows are left alone. ``fresh_prompts_usable`` must have said yes. False (nothing written) if the
+    kernel could not be compiled or launched here: a warning, and the Triton kernel does every sequence from then on."""
+    global ENABLED
     num_tokens, num_heads = q.shape[0], q.shape[1]
     num_seqs = seq_lens.shape[0]
     grid = ((num_tokens // BLOCK + num_seqs) * num_heads,)
-    _fresh_prompt_kernel[grid](
-        _descriptor(q, BLOCK // 2), _descriptor(key, BLOCK), _descriptor(value, BLOCK), out, cu_seqlens_q, seq_lens,
-        num_seqs, float(scale) * LOG2E, out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, GROUP=num_heads // key.shape[1], STAGES=STAGES, num_warps=4,
-    )  # fmt: skip
+    try:
+        _fresh_prompt_kernel[grid](
+            _descriptor(q, BLOCK // 2), _descriptor(key, BLOCK), _descriptor(value, BLOCK), out, cu_seqlens_q,
+            seq_lens, num_seqs, float(scale) * LOG2E, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, GROUP=num_heads // key.shape[1], STAGES=STAGES, num_warps=4,
+        )  # fmt: skip
+    except Exception as exc:  # (a compile error of another Triton): the Triton kernel serves, as without Gluon
+        ENABLED = False
+        warnings.warn(f"hfpaged: the Gluon prompt kernel is off, it failed to launch: {exc!r}", stacklevel=2)
+        return False
+    return True
 
 
 if HAVE_GLUON:

@@ -48,6 +48,7 @@ def test_the_triton_launch_leaves_fresh_sequences_to_the_gluon_kernel(monkeypatc
         for b, n in enumerate(seq_lens_.tolist()):
             if n == starts[b + 1] - starts[b]:
                 out[starts[b] : starts[b + 1]] = 7.0
+        return True
 
     monkeypatch.setattr(paged_attention_module, "fresh_prompts_usable", lambda *a, **k: True)
     monkeypatch.setattr(paged_attention_module, "attend_fresh_prompts", fake_fresh)
@@ -141,12 +142,35 @@ def test_the_gluon_kernel_compiles_for_hopper_without_spills():
     assert mmas > 0
 
 
+def test_a_gluon_kernel_that_fails_to_launch_turns_itself_off(monkeypatch):
+    # (another Triton whose Gluon cannot compile it): a warning, nothing written, and the Triton kernel does every
+    # sequence from then on
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("no such Gluon API")
+
+            return launch
+
+    monkeypatch.setattr(prompt_gluon, "_fresh_prompt_kernel", Broken())
+    monkeypatch.setattr(prompt_gluon, "ENABLED", True)
+    q = torch.zeros(300, 4, 128, dtype=torch.float16)
+    kv = torch.zeros(300, 2, 128, dtype=torch.float16)
+    out = torch.full_like(q, 3.0)
+    lens, cu = torch.tensor([300], dtype=torch.int32), torch.tensor([0, 300], dtype=torch.int32)
+    with pytest.warns(UserWarning, match="the Gluon prompt kernel is off"):
+        assert prompt_gluon.attend_fresh_prompts(q, kv, kv, lens, cu, out, scale=0.1) is False
+    assert not prompt_gluon.ENABLED and bool((out == 3.0).all())
+
+
 # ---- on the GPU ----------------------------------------------------------------------------------------------------
 
 GPU_STEPS = [
     ([2048], [2048]),  # one prompt, whole tiles
     ([1, 7, 128, 129, 300, 1700], [1, 7, 128, 129, 300, 1700]),  # fresh prompts, partial diagonal tiles
     ([1, 1600, 700, 1, 333], [900, 1600, 1200, 40, 333]),  # decode rows, a chunk after 500 cached, fresh ones
+    # 150 sequences (the kernels' sequence search goes chunk by chunk), an empty one, short fresh prompts, one long
+    ([0] + [1 + i % 37 for i in range(148)] + [1600], [5] + [1 + i % 37 + (i % 3) * 20 for i in range(148)] + [1600]),
 ]
 
 
@@ -177,11 +201,11 @@ def test_gpu_fresh_prompts_match_the_triton_kernel(q_lens, seq_lens, heads, kv_h
     calls = []
     real = paged_attention_module.attend_fresh_prompts
     monkeypatch.setattr(
-        paged_attention_module, "attend_fresh_prompts", lambda *a, **k: calls.append(1) or real(*a, **k)
+        paged_attention_module, "attend_fresh_prompts", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1]
     )
     triton_only = _attention(batch, key, value, False, monkeypatch)
     with_gluon = _attention(batch, key, value, True, monkeypatch)
-    assert calls == [1], "the Gluon kernel did not run"
+    assert calls == [True], "the Gluon kernel did not run"
     tensors = {k: v.float() if v.is_floating_point() else v for k, v in batch.items() if k != "hints"}
     ref = paged_attention_reference(**tensors, scale=128**-0.5)
     err_triton = (triton_only.float() - ref).abs().max().item()
@@ -193,11 +217,12 @@ def test_gpu_fresh_prompts_match_the_triton_kernel(q_lens, seq_lens, heads, kv_h
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("poison", [float("inf"), float("nan")])
-def test_gpu_fresh_prompts_ignore_the_next_sequences_values(poison, monkeypatch):
+def test_gpu_fresh_prompts_ignore_the_next_sequences_values(poison, dtype, monkeypatch):
     # a fresh prompt whose last tile runs into the next sequence's rows: inf/NaN values there must not reach it
     q_lens = seq_lens = [200, 150]
-    batch, key, value = _gpu_batch(q_lens, seq_lens, 16, 8, torch.bfloat16)
+    batch, key, value = _gpu_batch(q_lens, seq_lens, 16, 8, dtype)
     clean = _attention(batch, key, value, True, monkeypatch)[:200].clone()
     value[200:] = poison
     key[200:] = poison
@@ -237,7 +262,7 @@ def test_gpu_engine_tokens_with_the_gluon_kernel(options, monkeypatch):
     calls = []
     real = paged_attention_module.attend_fresh_prompts
     monkeypatch.setattr(
-        paged_attention_module, "attend_fresh_prompts", lambda *a, **k: calls.append(1) or real(*a, **k)
+        paged_attention_module, "attend_fresh_prompts", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1]
     )
     results = {}
     for gluon in (False, True):
@@ -248,5 +273,5 @@ def test_gpu_engine_tokens_with_the_gluon_kernel(options, monkeypatch):
         finally:
             hfpaged.unpatch(model)
         results[gluon] = [r.token_ids for r in out]
-        assert bool(calls) == gluon, "the Gluon kernel ran where it should not, or not where it should"
+        assert bool(calls) == gluon and all(calls), "the Gluon kernel ran where it should not, or not where it should"
     assert results[True] == results[False]
