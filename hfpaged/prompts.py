@@ -228,16 +228,16 @@ class PromptMaker:
         """Build the stop-string tables that ``Engine.add_requests``' ``settings`` will use into the shared cache,
         before the engine's lock is taken (the server: off its engine thread). Over a large vocabulary long strings
         take seconds, and every other request would wait. Errors are left for ``make_one`` to raise, named."""
+        tokenizer = tokenizer if tokenizer is not None else self.state.tokenizer  # (as make's)
         for kwargs in settings:
             with contextlib.suppress(Exception):
-                stops = kwargs.get("stop_strings")
-                if stops is None:
-                    config = kwargs.get("generation_config", generation_config) or self.model.generation_config
-                    stops = getattr(config, "stop_strings", None)
-                own_tokenizer = kwargs.get("tokenizer", tokenizer)
-                own_tokenizer = own_tokenizer if own_tokenizer is not None else self.state.tokenizer  # (as make's)
-                if stops and own_tokenizer is not None:
-                    self.stop_string_cache.get(own_tokenizer, stops)
+                if "stop_strings" in kwargs:  # (None: no stops)
+                    stops = kwargs["stop_strings"]
+                else:  # the given config's, else the model's (merged in as generate merges them)
+                    stops = getattr(kwargs.get("generation_config", generation_config), "stop_strings", None)
+                    stops = stops if stops is not None else getattr(self.model.generation_config, "stop_strings", None)
+                if stops and tokenizer is not None:
+                    self.stop_string_cache.get(tokenizer, stops)
 
     def make(
         self,

@@ -202,22 +202,29 @@ def test_stop_string_tables_are_built_outside_the_engine_lock(model, tokenizer, 
 
 
 def test_the_server_builds_stop_string_tables_off_its_engine_thread(model, tokenizer, monkeypatch):
-    # the front end's thread (EngineLoop.put) builds them; the engine thread then finds them cached
+    # neither the engine thread nor the caller (the single-process server's event loop, a front end's command reader)
+    # builds them: a preparing thread does, then hands the commands over in the order they came
     import hfpaged.sampling.stopping as stopping
     from hfpaged.serve.engine_loop import EngineLoop
-    from hfpaged.serve.messages import AddRequests, Submission
+    from hfpaged.serve.messages import AbortRequests, AddRequests, Submission
 
     loop = EngineLoop(model, tokenizer)
     threads = []
     real = stopping.StopStringCriteria
+    release = threading.Event()
 
     def criterion(*args, **kwargs):
-        threads.append(threading.current_thread())
+        threads.append(threading.current_thread().name)
+        release.wait(30)  # a slow build
         return real(*args, **kwargs)
 
     monkeypatch.setattr(stopping, "StopStringCriteria", criterion)
     settings = {"stop_strings": ["off the loop 39"], "max_new_tokens": 2}
-    command = AddRequests(tag=1, submissions=[Submission("r1", [5, 6], settings)])
-    loop.put(command)
-    assert threads == [threading.current_thread()]
-    assert loop.commands.get_nowait() == (0, command)
+    add = AddRequests(tag=1, submissions=[Submission("r1", [5, 6], settings)])
+    abort = AbortRequests(["r1"])
+    loop.put(add)
+    loop.put(abort, 0)  # returns at once, though the build has not finished
+    assert loop.commands.empty()
+    release.set()
+    assert [loop.commands.get(timeout=30), loop.commands.get(timeout=30)] == [(0, add), (0, abort)]
+    assert threads == ["hfpaged-prepare"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -12,7 +13,12 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def _finite_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    # a finite real: Python's, numpy's (numbers.Real) or a 0-d tensor/array of one (not a bool)
+    if type(value).__name__ in ("Tensor", "ndarray") and getattr(value, "ndim", None) == 0:
+        if str(value.dtype).endswith("bool") or "complex" in str(value.dtype):
+            return False
+        return math.isfinite(float(value))
+    return isinstance(value, numbers.Real) and "bool" not in type(value).__name__ and math.isfinite(value)
 
 
 @dataclass

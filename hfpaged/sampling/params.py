@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +54,12 @@ def _is_finite(value: object) -> bool:
 
 
 def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+    # a real number as generate takes one: Python, numpy and 0-d torch/numpy reals (not bools)
+    if isinstance(value, torch.Tensor):
+        return value.ndim == 0 and value.dtype != torch.bool and not value.dtype.is_complex
+    if isinstance(value, np.ndarray):
+        return value.ndim == 0 and (np.issubdtype(value.dtype, np.integer) or np.issubdtype(value.dtype, np.floating))
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 def is_int(value: object) -> bool:
@@ -201,7 +207,7 @@ def _check_supported(config: GenerationConfig) -> None:
             raise ValueError(f"min_p must be in [0, 1], got {config.min_p!r}")
     for name in ("max_new_tokens", "max_length"):  # (numpy numbers too, as generate takes them)
         value = getattr(config, name)
-        if value is not None and not (_is_real(value) and math.isfinite(value) and value > 0):
+        if value is not None and not (_is_real(value) and math.isfinite(float(value)) and value > 0):
             raise ValueError(f"{name} must be a finite number > 0 (tokens), got {value!r}")
     if config.max_time is not None and not _is_real(config.max_time):
         raise ValueError(f"max_time must be a number of seconds, got {config.max_time!r}")

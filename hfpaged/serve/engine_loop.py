@@ -42,6 +42,7 @@ from .messages import (
     StepOutputs,
     StopEngine,
 )
+from .preparer import CommandPreparer
 from .request_params import ModelLimits
 
 logger = logging.getLogger("hfpaged.serve")
@@ -101,6 +102,7 @@ class EngineLoop:
         self.engine = Engine(model, tokenizer=tokenizer)
         self.max_waiting = max_waiting
         self.commands: queue.SimpleQueue = queue.SimpleQueue()  # (source, command)
+        self.preparer = CommandPreparer(self.commands.put, model, tokenizer)
         self.clock = LoopClock()
         self.stats: dict[str, Any] = self._snapshot()  # the latest snapshot
         self.num_steps = 0
@@ -128,10 +130,7 @@ class EngineLoop:
     def put(self, command: Any, source: int | None = 0) -> None:
         """Queue a command (``AddRequests``, ``AbortRequests``, ``StopEngine``) of front end ``source``;
         thread-safe. ``StopEngine`` with ``source=None`` stops the whole loop."""
-        if isinstance(command, AddRequests):  # their stop strings' tables: built here, not on the engine thread
-            self.engine.core.prompts.warm_stop_strings([s.generate_kwargs for s in command.submissions], None,
-                                                       self.engine.tokenizer)  # fmt: skip
-        self.commands.put((source, command))
+        self.preparer.put((source, command))  # (in order, after what is slow to build: preparer.py)
 
     @property
     def alive(self) -> bool:
