@@ -580,3 +580,15 @@ def test_numpy_integers_for_beams_and_return_sequences_as_generate_takes_them(mo
     got = [[s.token_ids for s in r.sequences] for r in model.generate_many(prompts, **numpy_settings)]
     assert got == expected and all(len(sequences) == 2 for sequences in got)
     assert all_free(model)
+
+
+def test_torch_and_numpy_numbers_for_lengths_time_and_pool_options(model):
+    # (session 39's review) stock generate takes 0-d tensors and numpy numbers for these; so does generate_many
+    prompts = random_prompts([5, 8], seed=22)
+    expected = [r.token_ids for r in model.generate_many(prompts, max_new_tokens=3, do_sample=False)]
+    for number in (torch.tensor(3), np.int64(3), np.array(3)):
+        got = model.generate_many(prompts, max_new_tokens=number, max_time=torch.tensor(60.0), do_sample=False)
+        assert [r.token_ids for r in got] == expected
+    m = make_model("llama")
+    hfpaged.patch(m, num_blocks=None, cpu_kv_cache_gib=np.float32(0.01), watermark=torch.tensor(0.01))
+    assert hfpaged.stats(m)["num_blocks"] > 0
