@@ -228,3 +228,22 @@ def test_the_server_builds_stop_string_tables_off_its_engine_thread(model, token
     release.set()
     assert [loop.commands.get(timeout=30), loop.commands.get(timeout=30)] == [(0, add), (0, abort)]
     assert threads == ["hfpaged-prepare"]
+
+
+def test_the_preparer_hands_on_at_once_what_has_nothing_to_build_and_works_without_new_threads(model, monkeypatch):
+    from hfpaged.serve.messages import AbortRequests, AddRequests, StopEngine, Submission
+    from hfpaged.serve.preparer import CommandPreparer
+
+    delivered = []
+    preparer = CommandPreparer(delivered.append, model, None)
+    preparer.put((0, AbortRequests(["x"])))  # nothing ahead of it: no thread
+    assert delivered == [(0, AbortRequests(["x"]))]
+
+    def no_threads(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", no_threads)
+    add = AddRequests(2, [Submission("y", [5, 6], {"max_new_tokens": 2})])
+    preparer.put((1, add))  # drained in the caller's thread
+    preparer.put((None, StopEngine()))
+    assert delivered[1:] == [(1, add), (None, StopEngine())]

@@ -4,7 +4,8 @@ thread too (the single-process server's event loop; a front end's command reader
 otherwise wait: built on the engine thread, it stops every running stream; on the event loop, all HTTP traffic.
 
 Commands pass through in arrival order (an abort never overtakes its request's add), one drain thread at a time,
-started when a command arrives and ending when none is left (so nothing outlives the engine loop it feeds).
+started when an add arrives and ending when none is left (so nothing outlives the engine loop it feeds); other
+commands with nothing ahead of them go straight on.
 """
 
 from __future__ import annotations
@@ -32,13 +33,20 @@ class CommandPreparer:
         self._draining = False
 
     def put(self, item: tuple[int | None, Any]) -> None:
-        """Queue ``(source, command)``; never waits for a build."""
+        """Queue ``(source, command)``; never waits for a build. A command with nothing to build and nothing ahead
+        of it goes straight on."""
         with self._lock:
+            if not self._draining and not isinstance(item[1], AddRequests):
+                self._deliver(item)  # (under the lock: no later command can overtake it)
+                return
             self._items.append(item)
             if self._draining:
                 return
             self._draining = True
-        threading.Thread(target=self._drain, name="hfpaged-prepare", daemon=True).start()
+        try:
+            threading.Thread(target=self._drain, name="hfpaged-prepare", daemon=True).start()
+        except RuntimeError:  # no new threads (the interpreter is exiting): in this one
+            self._drain()
 
     def _drain(self) -> None:
         while True:
