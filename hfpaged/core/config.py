@@ -7,18 +7,26 @@ import numbers
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
+import torch
+
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
+def is_real(value: object) -> bool:
+    """A real number as ``generate`` and ``patch`` take one: Python's, numpy's, or a 0-d torch tensor or numpy array
+    of one (not a bool, not complex)."""
+    if isinstance(value, torch.Tensor):
+        return value.ndim == 0 and value.dtype != torch.bool and not value.dtype.is_complex
+    if isinstance(value, np.ndarray):
+        return value.ndim == 0 and (np.issubdtype(value.dtype, np.integer) or np.issubdtype(value.dtype, np.floating))
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
 def _finite_number(value: object) -> bool:
-    # a finite real: Python's, numpy's (numbers.Real) or a 0-d tensor/array of one (not a bool)
-    if type(value).__name__ in ("Tensor", "ndarray") and getattr(value, "ndim", None) == 0:
-        if str(value.dtype).endswith("bool") or "complex" in str(value.dtype):
-            return False
-        return math.isfinite(float(value))
-    return isinstance(value, numbers.Real) and "bool" not in type(value).__name__ and math.isfinite(value)
+    return is_real(value) and math.isfinite(float(value))
 
 
 @dataclass

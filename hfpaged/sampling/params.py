@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import math
-import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +19,7 @@ from transformers import GenerationConfig
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
+from ..core.config import is_real
 from ..model import hf_compat
 from .processors import Stage, adjustment_stages, plan_stages, stage_schedule, wrap_prefix_allowed_tokens_fn
 from .stopping import StopRules, StopStringCache, build_stop_rules
@@ -51,15 +51,6 @@ def prompt_name(index: int | None) -> str:
 
 def _is_finite(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _is_real(value: object) -> bool:
-    # a real number as generate takes one: Python, numpy and 0-d torch/numpy reals (not bools)
-    if isinstance(value, torch.Tensor):
-        return value.ndim == 0 and value.dtype != torch.bool and not value.dtype.is_complex
-    if isinstance(value, np.ndarray):
-        return value.ndim == 0 and (np.issubdtype(value.dtype, np.integer) or np.issubdtype(value.dtype, np.floating))
-    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 def is_int(value: object) -> bool:
@@ -207,9 +198,9 @@ def _check_supported(config: GenerationConfig) -> None:
             raise ValueError(f"min_p must be in [0, 1], got {config.min_p!r}")
     for name in ("max_new_tokens", "max_length"):  # (numpy numbers too, as generate takes them)
         value = getattr(config, name)
-        if value is not None and not (_is_real(value) and math.isfinite(float(value)) and value > 0):
+        if value is not None and not (is_real(value) and math.isfinite(float(value)) and value > 0):
             raise ValueError(f"{name} must be a finite number > 0 (tokens), got {value!r}")
-    if config.max_time is not None and not _is_real(config.max_time):
+    if config.max_time is not None and not is_real(config.max_time):
         raise ValueError(f"max_time must be a number of seconds, got {config.max_time!r}")
     for name in ("num_return_sequences", "num_beams"):
         value = getattr(config, name, None)
