@@ -228,7 +228,9 @@ class PromptMaker:
         """Build the stop-string tables that ``Engine.add_requests``' ``settings`` will use into the shared cache,
         before the engine's lock is taken (the server: off its engine thread). Over a large vocabulary long strings
         take seconds, and every other request would wait. Errors are left for ``make_one`` to raise, named."""
-        tokenizer = tokenizer if tokenizer is not None else self.state.tokenizer  # (as make's)
+        if tokenizer is None:
+            with contextlib.suppress(ReferenceError):  # (a stale handle's: make_one's checks say so, clearly)
+                tokenizer = self.state.tokenizer  # (as make's)
         for kwargs in settings:
             with contextlib.suppress(Exception):
                 if "stop_strings" in kwargs:  # (None: no stops)
