@@ -586,7 +586,7 @@ def test_torch_and_numpy_numbers_for_lengths_time_and_pool_options(model):
     # (session 39's review) stock generate takes 0-d tensors and numpy numbers for these; so does generate_many
     prompts = random_prompts([5, 8], seed=22)
     expected = [r.token_ids for r in model.generate_many(prompts, max_new_tokens=3, do_sample=False)]
-    for number in (torch.tensor(3), np.int64(3), np.array(3)):
+    for number in (torch.tensor(3), np.int64(3), np.array(3), torch.tensor(3, dtype=torch.uint8), np.uint8(3)):
         got = model.generate_many(prompts, max_new_tokens=number, max_time=torch.tensor(60.0), do_sample=False)
         assert [r.token_ids for r in got] == expected
     m = make_model("llama")

@@ -2,6 +2,7 @@
 stop strings that span several tokens and end inside a token."""
 
 import threading
+import time
 import warnings
 
 import pytest
@@ -247,3 +248,45 @@ def test_the_preparer_hands_on_at_once_what_has_nothing_to_build_and_works_witho
     preparer.put((1, add))  # drained in the caller's thread
     preparer.put((None, StopEngine()))
     assert delivered[1:] == [(1, add), (None, StopEngine())]
+
+
+def test_an_abort_waits_only_for_its_own_requests_add(model, monkeypatch):
+    # (session 39's final review) an abort of a running request went on generating behind another request's build
+    from hfpaged.serve.messages import AbortRequests, AddRequests, Submission
+    from hfpaged.serve.preparer import CommandPreparer
+
+    delivered, release = [], threading.Event()
+    preparer = CommandPreparer(delivered.append, model, None)
+    monkeypatch.setattr(preparer, "warm", lambda command: release.wait(30))  # a slow build
+    slow = AddRequests(1, [Submission("slow", [5, 6], {"max_new_tokens": 2})])
+    preparer.put((0, slow))
+    preparer.put((0, AbortRequests(["running"])))  # not in a waiting add: straight on
+    preparer.put((0, AbortRequests(["slow"])))  # its add is being prepared: after it
+    assert delivered == [(0, AbortRequests(["running"]))]
+    release.set()
+    deadline = time.monotonic() + 30
+    while len(delivered) < 3 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert delivered == [(0, AbortRequests(["running"])), (0, slow), (0, AbortRequests(["slow"]))]
+
+
+def test_a_failing_drain_leaves_the_preparer_usable(model):
+    from hfpaged.serve.messages import AddRequests, StopEngine, Submission
+    from hfpaged.serve.preparer import CommandPreparer
+
+    delivered, calls = [], []
+
+    def deliver(item):
+        calls.append(item)
+        if len(calls) == 1:
+            raise RuntimeError("a deliver that fails once")
+        delivered.append(item)
+
+    preparer = CommandPreparer(deliver, model, None)
+    add = AddRequests(1, [Submission("a", [5, 6], {"max_new_tokens": 2})])
+    preparer.put((0, add))
+    deadline = time.monotonic() + 30
+    while preparer._draining and time.monotonic() < deadline:
+        time.sleep(0.001)
+    preparer.put((0, StopEngine()))  # nothing stuck behind the failed drain
+    assert delivered == [(0, StopEngine())]

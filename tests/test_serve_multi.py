@@ -302,6 +302,9 @@ def test_engine_loop_routes_each_front_ends_outputs_back_to_it(model, tokenizer)
     loop.put(AddRequests(0, [Submission("a", prompt, {**greedy, "max_new_tokens": 3})]), 0)
     loop.put(AddRequests(0, [Submission("b", prompt, {**greedy, "max_new_tokens": 400})]), 1)  # tags: per front end
     loop.put(AddRequests(1, [Submission("c", prompt, greedy), Submission("d", prompt, greedy)]), 1)  # 2 + 2 > 2
+    deadline = time.monotonic() + 30  # (adds pass the preparing thread: serve/preparer.py)
+    while loop.commands.qsize() < 3 and time.monotonic() < deadline:
+        time.sleep(0.001)
     loop.start([lambda message, inbox=inbox: inbox.append(pickle.loads(pickle.dumps(message))) for inbox in inboxes])
 
     def outputs(inbox):

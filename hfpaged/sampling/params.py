@@ -196,12 +196,16 @@ def _check_supported(config: GenerationConfig) -> None:
             raise ValueError(f"top_k must be a non-negative int, got {config.top_k!r}")
         if config.min_p is not None and not (_is_finite(config.min_p) and 0.0 <= config.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {config.min_p!r}")
-    for name in ("max_new_tokens", "max_length"):  # (numpy numbers too, as generate takes them)
+    for name in ("max_new_tokens", "max_length", "max_time"):  # (numpy and 0-d torch numbers, as generate takes)
         value = getattr(config, name)
-        if value is not None and not (is_real(value) and math.isfinite(float(value)) and value > 0):
+        if value is None:
+            continue
+        if name == "max_time" and not is_real(value):
+            raise ValueError(f"max_time must be a number of seconds, got {value!r}")
+        if name != "max_time" and not (is_real(value) and math.isfinite(float(value)) and value > 0):
             raise ValueError(f"{name} must be a finite number > 0 (tokens), got {value!r}")
-    if config.max_time is not None and not is_real(config.max_time):
-        raise ValueError(f"max_time must be a number of seconds, got {config.max_time!r}")
+        if isinstance(value, (torch.Tensor, np.ndarray, np.generic)):
+            setattr(config, name, value.item())  # a Python number (a uint8 3 + a prompt's length must not wrap)
     for name in ("num_return_sequences", "num_beams"):
         value = getattr(config, name, None)
         if isinstance(value, np.integer):  # as generate takes them

@@ -3,9 +3,10 @@ thread too (the single-process server's event loop; a front end's command reader
 (transformers' ``StopStringCriteria``: seconds for long strings over a large vocabulary). Every other request would
 otherwise wait: built on the engine thread, it stops every running stream; on the event loop, all HTTP traffic.
 
-Commands pass through in arrival order (an abort never overtakes its request's add), one drain thread at a time,
-started when an add arrives and ending when none is left (so nothing outlives the engine loop it feeds); other
-commands with nothing ahead of them go straight on.
+Commands pass through in arrival order, one drain thread at a time, started when an add arrives and ending when none
+is left (so nothing outlives the engine loop it feeds). A command with nothing ahead of it goes straight on, and so
+does an abort none of whose requests is in an add still waiting here (an abort never overtakes its request's add,
+but a running request is not left generating behind another request's build).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .messages import AddRequests
+from .messages import AbortRequests, AddRequests
 
 
 class CommandPreparer:
@@ -29,6 +30,7 @@ class CommandPreparer:
         self._model = weakref.ref(model)
         self._tokenizer = tokenizer
         self._items: collections.deque = collections.deque()
+        self._current: Any = None  # the command being prepared
         self._lock = threading.Lock()
         self._draining = False
 
@@ -36,7 +38,11 @@ class CommandPreparer:
         """Queue ``(source, command)``; never waits for a build. A command with nothing to build and nothing ahead
         of it goes straight on."""
         with self._lock:
-            if not self._draining and not isinstance(item[1], AddRequests):
+            command = item[1]
+            ahead = self._draining
+            if ahead and isinstance(command, AbortRequests):
+                ahead = not set(command.request_ids).isdisjoint(self._waiting_ids())
+            if not ahead and not isinstance(command, AddRequests):
                 self._deliver(item)  # (under the lock: no later command can overtake it)
                 return
             self._items.append(item)
@@ -45,18 +51,29 @@ class CommandPreparer:
             self._draining = True
         try:
             threading.Thread(target=self._drain, name="hfpaged-prepare", daemon=True).start()
-        except RuntimeError:  # no new threads (the interpreter is exiting): in this one
+        except Exception:  # no new threads (the interpreter is exiting): in this one
             self._drain()
 
+    def _waiting_ids(self) -> set[str]:
+        commands = [command for _, command in self._items] + [self._current]
+        return {s.request_id for c in commands if isinstance(c, AddRequests) for s in c.submissions}
+
     def _drain(self) -> None:
-        while True:
+        try:
+            while True:
+                with self._lock:
+                    if not self._items:
+                        return
+                    item = self._items.popleft()
+                    self._current = item[1]
+                self.warm(item[1])
+                with self._lock:
+                    self._deliver(item)
+                    self._current = None
+        finally:  # (whatever happened, a later put starts a drain again)
             with self._lock:
-                if not self._items:
-                    self._draining = False
-                    return
-                item = self._items.popleft()
-            self.warm(item[1])
-            self._deliver(item)
+                self._draining = False
+                self._current = None
 
     def warm(self, command: Any) -> None:
         """Build the stop-string tables of an ``AddRequests`` into the model's current engine's cache (errors are the
