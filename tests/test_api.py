@@ -592,3 +592,14 @@ def test_torch_and_numpy_numbers_for_lengths_time_and_pool_options(model):
     m = make_model("llama")
     hfpaged.patch(m, num_blocks=None, cpu_kv_cache_gib=np.float32(0.01), watermark=torch.tensor(0.01))
     assert hfpaged.stats(m)["num_blocks"] > 0
+
+
+def test_numpy_and_torch_numbers_for_sampling_settings(model):
+    # (session 39's final review) stock generate takes them; temperature, top_p, top_k and the penalties were refused
+    prompts = random_prompts([5, 8], seed=23)
+    settings = dict(max_new_tokens=4, do_sample=True, seed=3, temperature=0.75, top_p=0.5, top_k=20, min_p=0.0)
+    expected = [r.token_ids for r in model.generate_many(prompts, **settings, presence_penalty=0.5)]
+    odd = dict(settings, temperature=np.float64(0.75), top_p=torch.tensor(0.5), top_k=np.int64(20), min_p=np.array(0.0))
+    got = [r.token_ids for r in model.generate_many(prompts, **odd, presence_penalty=np.float32(0.5))]
+    assert got == expected
+    assert all_free(model)

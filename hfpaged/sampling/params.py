@@ -50,7 +50,15 @@ def prompt_name(index: int | None) -> str:
 
 
 def _is_finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return is_real(value) and math.isfinite(float(value))
+
+
+def _python_number(value: Any) -> Any:
+    """A numpy or 0-d torch real as the Python number it holds (``generate`` takes them; transformers' warpers test
+    ``isinstance(value, float)``, and a ``uint8`` length plus a prompt's would wrap); anything else as it is."""
+    if isinstance(value, (torch.Tensor, np.ndarray, np.generic)) and is_real(value):
+        return value.item()
+    return value
 
 
 def is_int(value: object) -> bool:
@@ -83,6 +91,7 @@ class CallOptions:
             value = getattr(self, name)
             if not _is_finite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
+            setattr(self, name, float(value))
         if self.logit_bias is not None and not (
             isinstance(self.logit_bias, dict)
             and all(_is_token_id(k) and _is_finite(v) for k, v in self.logit_bias.items())
@@ -164,6 +173,9 @@ def resolve_generation_config(
 
 
 def _check_supported(config: GenerationConfig) -> None:
+    for name, value in list(vars(config).items()):  # (the config is the request's own copy)
+        if value is not _python_number(value):
+            setattr(config, name, _python_number(value))
     for name, what in _UNSUPPORTED_WHEN_SET.items():
         value = getattr(config, name, None)
         if value not in (None, False, 0):
@@ -204,13 +216,8 @@ def _check_supported(config: GenerationConfig) -> None:
             raise ValueError(f"max_time must be a number of seconds, got {value!r}")
         if name != "max_time" and not (is_real(value) and math.isfinite(float(value)) and value > 0):
             raise ValueError(f"{name} must be a finite number > 0 (tokens), got {value!r}")
-        if isinstance(value, (torch.Tensor, np.ndarray, np.generic)):
-            setattr(config, name, value.item())  # a Python number (a uint8 3 + a prompt's length must not wrap)
     for name in ("num_return_sequences", "num_beams"):
         value = getattr(config, name, None)
-        if isinstance(value, np.integer):  # as generate takes them
-            value = int(value)
-            setattr(config, name, value)
         if value is not None and (not is_int(value) or value < 1):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
