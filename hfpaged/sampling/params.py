@@ -174,7 +174,7 @@ def resolve_generation_config(
 
 def _check_supported(config: GenerationConfig) -> None:
     for name, value in list(vars(config).items()):  # (the config is the request's own copy)
-        if value is not _python_number(value):
+        if not name.startswith("_") and value is not _python_number(value):  # (not transformers' own tensors)
             setattr(config, name, _python_number(value))
     for name, what in _UNSUPPORTED_WHEN_SET.items():
         value = getattr(config, name, None)
