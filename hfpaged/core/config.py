@@ -25,7 +25,8 @@ def is_real(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
-def _finite_number(value: object) -> bool:
+def is_finite_number(value: object) -> bool:
+    """``is_real`` and finite."""
     return is_real(value) and math.isfinite(float(value))
 
 
@@ -82,7 +83,7 @@ class EngineConfig:
             positive_int("num_blocks")
         for name in ("gpu_memory_utilization", "swap_space", "watermark", "cpu_kv_cache_gib"):
             value = getattr(self, name)  # (checked before anything is built: a re-patch keeps the old patch)
-            if not (value is None and name == "swap_space") and not _finite_number(value):
+            if not (value is None and name == "swap_space") and not is_finite_number(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

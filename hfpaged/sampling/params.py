@@ -8,7 +8,6 @@ cannot drift from stock ``generate``. Which settings apply to which prompt is ``
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +18,7 @@ from transformers import GenerationConfig
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
-from ..core.config import is_real
+from ..core.config import is_finite_number, is_real
 from ..model import hf_compat
 from .processors import Stage, adjustment_stages, plan_stages, stage_schedule, wrap_prefix_allowed_tokens_fn
 from .stopping import StopRules, StopStringCache, build_stop_rules
@@ -47,10 +46,6 @@ _UNSUPPORTED_TRUE = {
 def prompt_name(index: int | None) -> str:
     """How errors name a prompt: its place in the caller's list, when it has one."""
     return "the prompt" if index is None else f"prompt {index}"
-
-
-def _is_finite(value: object) -> bool:
-    return is_real(value) and math.isfinite(float(value))
 
 
 def _python_number(value: Any) -> Any:
@@ -89,12 +84,12 @@ class CallOptions:
             raise ValueError(f"seed must be an int of 64 bits (-2**63 <= seed < 2**63), got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not _is_finite(value):
+            if not is_finite_number(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
             setattr(self, name, float(value))
         if self.logit_bias is not None and not (
             isinstance(self.logit_bias, dict)
-            and all(_is_token_id(k) and _is_finite(v) for k, v in self.logit_bias.items())
+            and all(_is_token_id(k) and is_finite_number(v) for k, v in self.logit_bias.items())
         ):
             raise ValueError(
                 f"logit_bias must be a dict of token id (int >= 0) -> finite float, got {self.logit_bias!r}"
@@ -174,8 +169,9 @@ def resolve_generation_config(
 
 def _check_supported(config: GenerationConfig) -> None:
     for name, value in list(vars(config).items()):  # (the config is the request's own copy)
-        if not name.startswith("_") and value is not _python_number(value):  # (not transformers' own tensors)
-            setattr(config, name, _python_number(value))
+        number = _python_number(value)
+        if number is not value and not name.startswith("_"):  # (not transformers' own tensors)
+            setattr(config, name, number)
     for name, what in _UNSUPPORTED_WHEN_SET.items():
         value = getattr(config, name, None)
         if value not in (None, False, 0):
@@ -196,17 +192,17 @@ def _check_supported(config: GenerationConfig) -> None:
     if config.num_beams is not None and config.num_beams > 1 and config.low_memory:
         raise ValueError("generate_many does not support low_memory=True with beam search (nor does generate)")
     if config.do_sample:
-        if config.temperature is not None and not (_is_finite(config.temperature) and config.temperature > 0):
+        if config.temperature is not None and not (is_finite_number(config.temperature) and config.temperature > 0):
             raise ValueError(
                 f"temperature must be a number > 0 when do_sample=True, got {config.temperature!r} "
                 "(for greedy decoding set do_sample=False)"
             )
         # top_p 0 keeps the top token only, as transformers' TopPLogitsWarper does (it accepts [0, 1])
-        if config.top_p is not None and not (_is_finite(config.top_p) and 0.0 <= config.top_p <= 1.0):
+        if config.top_p is not None and not (is_finite_number(config.top_p) and 0.0 <= config.top_p <= 1.0):
             raise ValueError(f"top_p must be in [0, 1], got {config.top_p!r}")
         if config.top_k is not None and (not isinstance(config.top_k, int) or config.top_k < 0):
             raise ValueError(f"top_k must be a non-negative int, got {config.top_k!r}")
-        if config.min_p is not None and not (_is_finite(config.min_p) and 0.0 <= config.min_p <= 1.0):
+        if config.min_p is not None and not (is_finite_number(config.min_p) and 0.0 <= config.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {config.min_p!r}")
     for name in ("max_new_tokens", "max_length", "max_time"):  # (numpy and 0-d torch numbers, as generate takes)
         value = getattr(config, name)
@@ -214,7 +210,7 @@ def _check_supported(config: GenerationConfig) -> None:
             continue
         if name == "max_time" and not is_real(value):
             raise ValueError(f"max_time must be a number of seconds, got {value!r}")
-        if name != "max_time" and not (is_real(value) and math.isfinite(float(value)) and value > 0):
+        if name != "max_time" and not (is_finite_number(value) and value > 0):
             raise ValueError(f"{name} must be a finite number > 0 (tokens), got {value!r}")
     for name in ("num_return_sequences", "num_beams"):
         value = getattr(config, name, None)
