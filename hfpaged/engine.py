@@ -83,28 +83,28 @@ class EngineCore:
         with contextlib.suppress(ReferenceError):  # (an unpatched model's stale handle: nothing to step)
             if self.state.weights.adapters_toggled():  # steps between calls under another adapter state (PEFT)
                 self.check_weights(self.runner.model)
-        scheduler_output, outputs = None, []
+        scheduler_output, outputs, held = None, [], self.scheduler.held
         try:
             scheduler_output = self.scheduler.schedule()
             t1 = clock()
+            outputs = list(scheduler_output.failed)
+            # a step nested in this one (a generate_many from a processor) must not take its requests' room
+            in_step = (scheduler_output, *([self.in_flight[0]] if self.in_flight else []))
+            self.scheduler.held = held | {item.request_id for step in in_step for item in step.scheduled}
             with escapable(self.guard):  # (a second Ctrl-C may stop the forward)
                 result = self.runner.execute(scheduler_output)
             t2 = clock()
             previous, self.in_flight = self.in_flight, None
             if previous is not None:
                 self.num_ready_reads += previous[1].is_ready()
-                outputs = self._update(previous)
+                outputs = outputs + self._update(previous)
             if result is not None and scheduler_output.overlapped:
                 self.in_flight = (scheduler_output, result)
                 self.num_overlapped_steps += 1
             elif result is not None:
                 outputs += self._update((scheduler_output, result))
             elif previous is None and self.scheduler.has_unfinished():
-                raise RuntimeError(
-                    "scheduler made no progress: nothing could be scheduled and no step is in flight "
-                    f"({len(self.scheduler.waiting)} waiting, {len(self.scheduler.running)} running, "
-                    f"{len(self.scheduler.swapped)} swapped, {self.kv.num_free_blocks} of {self.kv.num_blocks} blocks free)"
-                )
+                outputs = outputs or self.scheduler.no_progress()  # fails a nested step's request, or raises
             if self.in_flight is not None and not self.scheduler.has_unfinished():
                 self.in_flight = None  # launched for requests that have finished since (eos): its tokens are nobody's
         except BaseException as error:
@@ -115,6 +115,8 @@ class EngineCore:
                 message = out_of_memory_message(self.state.config, scheduler_output, error)
                 raise torch.OutOfMemoryError(message) from error
             raise
+        finally:
+            self.scheduler.held = held
         timings = self.timings
         timings["schedule"], timings["steps"] = timings["schedule"] + t1 - t0, timings["steps"] + 1
         timings["execute"] += t2 - t1  # host: inputs + launches (the device runs on asynchronously)

@@ -3,7 +3,8 @@
 Policy (vLLM v1's framing, no separate prefill/decode phases):
 1. running requests, decodes first (then running chunked prefills), oldest admitted first; each
    gets ``min(tokens behind, budget left)`` tokens. When one cannot get a block, the most recently
-   admitted running request is preempted until it can - possibly itself. Preemption is by
+   admitted running request is preempted until it can - possibly itself (in a step nested in another, never
+   one of the enclosing step's: ``core/preemption.py``). Preemption is by
    recompute (blocks freed, back to the front of waiting) or, in swap mode while CPU swap space
    has room, by swapping its blocks out (it keeps its progress and waits in the swapped queue);
 2. then swapped requests, then waiting ones, in order, while ``max_num_seqs`` and the token budget
@@ -30,7 +31,8 @@ from ..sampling.stopping import check_stops
 from .config import EngineConfig
 from .kv_manager import KVManager
 from .position_table import finish_past_table
-from .request import LONG_ROPE_SALT, Request, RequestStatus
+from .preemption import Preemption
+from .request import Request, RequestStatus
 from .runner_output import ModelRunnerOutput
 from .scheduler_output import CachedRequestData, NewRequestData, ScheduledRequest, SchedulerOutput
 from .sequence_groups import SequenceGroups
@@ -38,7 +40,7 @@ from .sequence_groups import SequenceGroups
 COUNTER_NAMES = ("num_preemptions", "num_swapped_out", "prefix_cache_queries", "prefix_cache_hits")
 
 
-class Scheduler(SequenceGroups):
+class Scheduler(Preemption, SequenceGroups):
     """Waiting, running and swapped queues over one KV manager."""
 
     def __init__(
@@ -157,63 +159,6 @@ class Scheduler(SequenceGroups):
             self._runner_has.discard(request.request_id)
             self._dropped.append(request.request_id)
 
-    # --- preemption -------------------------------------------------------------------------------
-
-    def _preempt(self, request: Request, out: SchedulerOutput, restart: bool = False) -> list[Request]:
-        """Preempt ``request``, or every beam of its group with it; returns the requests preempted. ``restart``:
-        by recompute, not counted (``_restart_long``)."""
-        if request.beam_search is None:
-            self._preempt_one(request, out, allow_swap=not restart, count=not restart)
-            return [request]
-        members = [m for m in request.group.members if m.status is RequestStatus.RUNNING]
-        for member in reversed(members):  # back to the front of waiting together, in beam order
-            self._preempt_one(member, out, allow_swap=False, count=not restart)
-        return members
-
-    def _preempt_one(self, request: Request, out: SchedulerOutput, allow_swap: bool, count: bool = True) -> None:
-        self.running.remove(request)
-        out.preempted_ids.append(request.request_id)
-        self._forget(request)
-        if count:
-            request.num_preemptions += 1
-            self.counters["num_preemptions"] += 1
-        if allow_swap and self.config.preemption_mode == "swap":
-            copy = self.kv.swap_out(request)
-            if copy is not None:
-                out.swap_out.append(copy)
-                request.status = RequestStatus.SWAPPED
-                self.counters["num_swapped_out"] += 1
-                self.swapped.append(request)
-                return
-        self.kv.free(request, keep_hashes=True)  # recompute (also the fallback when swap space is full)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
-
-    def _restart_long(self, out: SchedulerOutput) -> None:
-        """Requests that grew past their ``restart_past`` tokens with short keys are computed again from their
-        first token, salted (what the model's generate does there): running ones (with their beam group) and
-        swapped ones go back to the front of waiting; a waiting one (a token of a step in flight landed after it
-        was preempted) is salted where it is. Their hashes, chained without the salt, are dropped."""
-        for request in [
-            r
-            for r in self.requests.values()
-            if r.restart_past is not None and r.cache_salt is None and r.num_tokens > r.restart_past
-        ]:
-            if request.cache_salt is not None:
-                continue  # restarted with its beam group
-            members = [request]
-            if request.status is RequestStatus.RUNNING:
-                members = self._preempt(request, out, restart=True)
-            elif request.status is RequestStatus.SWAPPED:
-                self.swapped.remove(request)
-                request.num_computed_tokens = 0
-                request.status = RequestStatus.WAITING
-                self.waiting.appendleft(request)
-            for member in members:
-                self.kv.free(member)
-                member.cache_salt = LONG_ROPE_SALT
-
     # --- admission --------------------------------------------------------------------------------
 
     def _admit(self, request: Request, budget: int, keep_free: int) -> int:
@@ -271,6 +216,9 @@ class Scheduler(SequenceGroups):
             start = request.num_computed_tokens
             num_new = min(num_tokens - start, budget)
             while not (has_room(request, start, start + num_new) or allocate(request, start + num_new)):
+                if self._held_up(request, out):  # a nested step's: it waits, or fails (core/preemption.py)
+                    num_new = 0
+                    break
                 for victim in self._preempt(self.running[-1], out):
                     undone = scheduled.pop(victim.request_id, None)
                     if undone is not None:  # give back what the victim was granted this step
@@ -278,7 +226,7 @@ class Scheduler(SequenceGroups):
                 if request.status is not running:
                     break
                 num_new = min(num_tokens - start, budget)
-            if request.status is not running:
+            if request.status is not running or num_new == 0:
                 continue
             scheduled[request.request_id] = _scheduled(request, num_new, num_tokens)
             budget -= num_new

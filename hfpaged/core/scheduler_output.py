@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ..outputs import RequestOutput
     from ..sampling.params import RequestParams
     from .request import Request
 
@@ -80,6 +81,7 @@ class SchedulerOutput:
     # whether the next step may be scheduled before this one's tokens are read (its sampled tokens count as
     # placeholders until then)
     overlapped: bool = False
+    failed: list[RequestOutput] = field(default_factory=list)  # of requests failed in scheduling (core/preemption.py)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -1,0 +1,124 @@
+"""The scheduler's preemption: a request that cannot get a block frees another's (recompute or swap), longrope
+restarts, and the one case where preempting cannot help - a step nested in another step of the same engine.
+
+A ``generate_many`` on the same model from inside one of its steps (a logits processor or stopping criterion
+generating with it) runs steps of its own while the enclosing step waits for it. The enclosing step's requests
+(``held``) keep their blocks and sequence slots until it ends, which it cannot before the nested call returns: a
+nested request that needs room only they hold would be preempted and re-admitted without end, or never admitted.
+It fails instead, naming the room it lacks; the enclosing step's own requests are never its victims.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..outputs import RequestOutput, progress_output
+from .request import LONG_ROPE_SALT, Request, RequestStatus
+
+if TYPE_CHECKING:
+    from .scheduler_output import SchedulerOutput
+
+
+class Preemption:
+    """Mixin of ``Scheduler`` (its queues, KV manager and helpers)."""
+
+    held: frozenset[str] = frozenset()  # ids of requests scheduled by steps under way that enclose this one
+
+    def _preempt(self, request: Request, out: SchedulerOutput, restart: bool = False) -> list[Request]:
+        """Preempt ``request``, or every beam of its group with it; returns the requests preempted. ``restart``:
+        by recompute, not counted (``_restart_long``)."""
+        if request.beam_search is None:
+            self._preempt_one(request, out, allow_swap=not restart, count=not restart)
+            return [request]
+        members = [m for m in request.group.members if m.status is RequestStatus.RUNNING]
+        for member in reversed(members):  # back to the front of waiting together, in beam order
+            self._preempt_one(member, out, allow_swap=False, count=not restart)
+        return members
+
+    def _preempt_one(self, request: Request, out: SchedulerOutput, allow_swap: bool, count: bool = True) -> None:
+        self.running.remove(request)
+        out.preempted_ids.append(request.request_id)
+        self._forget(request)
+        if count:
+            request.num_preemptions += 1
+            self.counters["num_preemptions"] += 1
+        if allow_swap and self.config.preemption_mode == "swap":
+            copy = self.kv.swap_out(request)
+            if copy is not None:
+                out.swap_out.append(copy)
+                request.status = RequestStatus.SWAPPED
+                self.counters["num_swapped_out"] += 1
+                self.swapped.append(request)
+                return
+        self.kv.free(request, keep_hashes=True)  # recompute (also the fallback when swap space is full)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _restart_long(self, out: SchedulerOutput) -> None:
+        """Requests that grew past their ``restart_past`` tokens with short keys are computed again from their
+        first token, salted (what the model's generate does there): running ones (with their beam group) and
+        swapped ones go back to the front of waiting; a waiting one (a token of a step in flight landed after it
+        was preempted) is salted where it is. Their hashes, chained without the salt, are dropped."""
+        for request in [
+            r
+            for r in self.requests.values()
+            if r.restart_past is not None and r.cache_salt is None and r.num_tokens > r.restart_past
+        ]:
+            if request.cache_salt is not None:
+                continue  # restarted with its beam group
+            members = [request]
+            if request.status is RequestStatus.RUNNING:
+                members = self._preempt(request, out, restart=True)
+            elif request.status is RequestStatus.SWAPPED:
+                self.swapped.remove(request)
+                request.num_computed_tokens = 0
+                request.status = RequestStatus.WAITING
+                self.waiting.appendleft(request)
+            for member in members:
+                self.kv.free(member)
+                member.cache_salt = LONG_ROPE_SALT
+
+    # --- a step nested in another ---------------------------------------------------------------------
+
+    def _held_up(self, request: Request, out: SchedulerOutput) -> bool:
+        """Whether ``request``, which needs a block, can only wait: every other running request belongs to an
+        enclosing step (and preempting itself would not make room). One of that step's requests waits for it,
+        unscheduled; any other fails with the reason (its outputs in ``out.failed``)."""
+        if not self.held:
+            return False
+        mine = {id(member) for member in request.members} if request.beam_search is not None else {id(request)}
+        if any(id(r) not in mine and r.request_id not in self.held for r in self.running):
+            return False  # a request of this nested call can be preempted instead
+        if request.request_id not in self.held:
+            out.failed += self._fail_beside_held(request)
+        return True
+
+    def no_progress(self) -> list[RequestOutput]:
+        """A step that scheduled nothing, with no step in flight and requests unfinished. In a nested step the
+        request at the head of the queue cannot join beside the enclosing step's requests, now or later: it fails
+        (its outputs). Otherwise (or if it is one of the enclosing step's) nothing can ever run: RuntimeError."""
+        queue = self.swapped or self.waiting
+        if self.held and queue and queue[0].request_id not in self.held:
+            return self._fail_beside_held(queue[0])
+        raise RuntimeError(
+            "scheduler made no progress: nothing could be scheduled and no step is in flight "
+            f"({len(self.waiting)} waiting, {len(self.running)} running, {len(self.swapped)} swapped, "
+            f"{self.kv.num_free_blocks} of {self.kv.num_blocks} blocks free)"
+        )
+
+    def _fail_beside_held(self, request: Request) -> list[RequestOutput]:
+        held = [r for r in self.running if r.request_id in self.held]
+        blocks = len({block for r in held for block in self.kv.block_ids(r)})
+        prompt = f"prompt {request.index}" if request.index is not None else f"request {request.request_id!r}"
+        error = RuntimeError(
+            f"{prompt} cannot run inside a step of the same model (a generate_many from a logits processor or "
+            f"stopping criterion): that step's {len(held)} sequences keep {blocks} of the {self.kv.num_blocks} KV "
+            f"blocks and {len(held)} of max_num_seqs={self.config.max_num_seqs} until it ends, and this prompt "
+            f"needs a sequence and {self.kv.blocks_for(request.num_tokens + 1)} blocks beside them. Patch with more num_blocks "
+            "or max_num_seqs, or generate outside the step"
+        )
+        members = [m for m in request.members if not m.is_finished] if request.beam_search is not None else [request]
+        for member in members:
+            self.finish(member, "error", error)
+        return [progress_output(member, 0) for member in members]

@@ -1,0 +1,118 @@
+"""A ``generate_many`` on the same model from inside one of its own steps (a logits processor generating with it).
+
+The enclosing step's requests keep their blocks and sequence slots until that step ends, which it cannot before
+the nested call returns. Until session 40 a nested prompt that needed room only they held either failed the whole
+outer call with "scheduler made no progress" (``max_num_seqs`` full) or was preempted and re-admitted without end
+(a pool too small for both: a hang at 100% CPU). Now it fails alone, with an error naming the room it lacks, and
+the outer requests go on exact; with room the nested call is exact as before."""
+
+import re
+
+import pytest
+from models import make_model, random_prompts, reference_generate
+from transformers import LogitsProcessor
+
+import hfpaged
+from hfpaged.core import scheduler as scheduler_module
+
+OUTER = [[11, 12, 13], [21, 22, 23, 24, 25, 26, 27]]
+INNER = [31, 32, 33, 34, 35, 36, 37, 38, 39, 40]
+NESTED_ERROR = r"prompt 0 cannot run inside a step of the same model .* Patch with more num_blocks or max_num_seqs"
+
+# (patch options, whether the nested prompt fits beside the outer step's requests)
+CASES = {
+    "room": (dict(num_blocks=64, block_size=4, max_num_seqs=3), True),
+    "slots taken": (dict(num_blocks=64, block_size=4, max_num_seqs=2), False),
+    "blocks taken, recompute": (dict(num_blocks=6, block_size=4, max_num_seqs=8, max_num_batched_tokens=4), False),
+    "blocks taken, swap": (
+        dict(num_blocks=6, block_size=4, max_num_seqs=8, max_num_batched_tokens=4, preemption_mode="swap"),
+        False,
+    ),
+}
+
+
+def all_free(m):
+    st = hfpaged.stats(m)
+    return st["num_free_blocks"] == st["num_blocks"] and st["num_free_cpu_blocks"] == st["num_cpu_blocks"]
+
+
+class Nested(LogitsProcessor):
+    """At each of its prompt's steps, generates with the same model; records what came back or what it raised."""
+
+    def __init__(self, model, catch):
+        self.model, self.catch, self.results = model, catch, []
+
+    def __call__(self, input_ids, scores):
+        try:
+            out = self.model.generate_many([INNER], max_new_tokens=5, do_sample=False)
+            self.results.append(out[0].token_ids)
+        except RuntimeError as error:
+            if not self.catch:
+                raise
+            self.results.append(error)
+        return scores
+
+
+@pytest.fixture
+def no_livelock(monkeypatch):
+    """Fails a test whose scheduler preempts without end (the hang this file is about) instead of hanging it."""
+    original, count = scheduler_module.Scheduler._preempt_one, [0]
+
+    def counted(self, *args, **kwargs):
+        count[0] += 1
+        if count[0] > 500:
+            raise AssertionError("more than 500 preemptions: a nested request is re-admitted without end")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(scheduler_module.Scheduler, "_preempt_one", counted)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_nested_generation_fails_alone_when_the_steps_requests_hold_its_room(case, no_livelock):
+    options, fits = CASES[case]
+    model = make_model("llama", seed=7)
+    expected_outer = reference_generate(model, OUTER, max_new_tokens=4, do_sample=False)
+    expected_inner = reference_generate(model, [INNER], max_new_tokens=5, do_sample=False)[0]
+    hfpaged.patch(model, **options)
+    nested = Nested(model, catch=True)
+    got = model.generate_many(
+        [dict(prompt=OUTER[0], logits_processor=[nested]), OUTER[1]], max_new_tokens=4, do_sample=False
+    )
+    assert [r.token_ids for r in got] == expected_outer  # the outer call is exact either way
+    assert len(nested.results) == 4  # one nested call per outer step of that prompt
+    failures = [r for r in nested.results if isinstance(r, RuntimeError)]
+    # (the pool cases: the first steps' outer sequences are short enough to leave the nested prompt room)
+    assert [r for r in nested.results if r not in failures] == [expected_inner] * (4 - len(failures))
+    assert all(re.search(NESTED_ERROR, str(error)) for error in failures)
+    assert bool(failures) == (not fits)
+    assert all(("max_num_seqs=2 until" in str(error)) == (case == "slots taken") for error in failures)
+    assert len(failures) == 4 or case != "slots taken"
+    assert all_free(model)
+    assert [r.token_ids for r in model.generate_many([INNER], max_new_tokens=5, do_sample=False)] == [expected_inner]
+
+
+def test_an_uncaught_nested_failure_fails_its_outer_prompt_alone(no_livelock):
+    # the processor lets the error through: its outer prompt fails with it (a processor's error is its prompt's),
+    # while an Engine handle's other prompt in the same steps goes on, exact
+    model = make_model("llama", seed=7)
+    expected_outer = reference_generate(model, OUTER, max_new_tokens=4, do_sample=False)
+    hfpaged.patch(model, **CASES["blocks taken, recompute"][0])
+    with pytest.raises(RuntimeError, match=NESTED_ERROR):
+        model.generate_many(
+            [dict(prompt=OUTER[0], logits_processor=[Nested(model, catch=False)]), OUTER[1]], max_new_tokens=4
+        )
+    assert all_free(model)
+    hfpaged.reset_prefix_cache(model)  # (the nested prompt's cached blocks would give it the room it lacked)
+    engine = hfpaged.Engine(model)
+    failing = engine.add_request(OUTER[0], max_new_tokens=4, do_sample=False, logits_processor=[Nested(model, False)])
+    other = engine.add_request(OUTER[1], max_new_tokens=4, do_sample=False)
+    finals = {}
+    while engine.has_unfinished():
+        finals.update({o.prompt_id: o for o in engine.step() if o.finished})
+    assert finals[failing].finish_reason == "error" and "cannot run inside a step" in finals[failing].error
+    assert finals[other].token_ids == expected_outer[1]
+    assert all_free(model)
+    prompts = random_prompts([5, 8], seed=3)
+    assert [r.token_ids for r in model.generate_many(prompts, max_new_tokens=6, do_sample=False)] == (
+        reference_generate(model, prompts, max_new_tokens=6, do_sample=False)
+    )
