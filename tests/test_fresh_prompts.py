@@ -250,30 +250,41 @@ def test_gpu_fresh_prompts_replay_from_a_cuda_graph(monkeypatch):
     assert torch.equal(out, _attention(batch, key, value, True, monkeypatch))
 
 
+def gluon_kernel_on_and_off(monkeypatch, model, prompts, **options):
+    """The call's sequences' tokens without the Gluon kernel and with it (a patch each: a fresh pool, so no prefix
+    hit of the first run turns a prompt into a continuation), and the second run's stats; checks the kernel ran
+    in exactly the run it was on for."""
+    calls, results = [], {}
+    real = paged_attention_module.attend_fresh_prompts
+    monkeypatch.setattr(
+        paged_attention_module, "attend_fresh_prompts", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1]
+    )
+    for gluon in (False, True):
+        monkeypatch.setattr(prompt_gluon, "ENABLED", gluon)
+        hfpaged.patch(model, **options)
+        try:
+            outs = model.generate_many(prompts)
+            stats = hfpaged.stats(model)
+        finally:
+            hfpaged.unpatch(model)
+        results[gluon] = [[s.token_ids for s in r.sequences] for r in outs]
+        assert bool(calls) == gluon and all(calls), "the Gluon kernel ran where it should not, or not where it should"
+    return results, stats
+
+
+def gpu_qwen3_128():
+    return make_model("qwen3", dtype=torch.bfloat16, head_dim=128, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=4096).cuda()  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("options", [{"enforce_eager": True}, {}], ids=["eager", "graphs"])
 def test_gpu_engine_tokens_with_the_gluon_kernel(options, monkeypatch):
     # bf16, 128-dim heads, prompts long enough for the long prompt tile: greedy tokens with and without the kernel
     # (eager steps, or CUDA graphs with compiled layers, captured by a patch per setting)
-    model = make_model("qwen3", dtype=torch.bfloat16, head_dim=128, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=4096).cuda()  # fmt: skip
-    prompts = random_prompts([1800, 2100, 40], seed=3)
-    calls = []
-    real = paged_attention_module.attend_fresh_prompts
-    monkeypatch.setattr(
-        paged_attention_module, "attend_fresh_prompts", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1]
-    )
-    results = {}
-    for gluon in (False, True):
-        monkeypatch.setattr(prompt_gluon, "ENABLED", gluon)
-        hfpaged.patch(model, **options)  # a fresh pool: no prefix hit turns a prompt into a continuation
-        try:
-            out = model.generate_many(prompts, max_new_tokens=12, do_sample=False)
-        finally:
-            hfpaged.unpatch(model)
-        results[gluon] = [r.token_ids for r in out]
-        assert bool(calls) == gluon and all(calls), "the Gluon kernel ran where it should not, or not where it should"
+    prompts = [dict(prompt=p, max_new_tokens=12, do_sample=False) for p in random_prompts([1800, 2100, 40], seed=3)]
+    results, _ = gluon_kernel_on_and_off(monkeypatch, gpu_qwen3_128(), prompts, **options)
     assert results[True] == results[False]
 
 
@@ -285,30 +296,21 @@ def test_gpu_engine_tokens_with_the_gluon_kernel_under_chunking_prefix_hits_and_
     # a long prefix (prefix-cache hits: Triton), a pool too small for all (preempted prompts prefill again), beams and
     # parallel samples beside greedy: the tokens with the kernel equal those without (its outputs are bitwise the
     # Triton kernel's, so any difference is a row given to the wrong kernel)
-    model = make_model("qwen3", dtype=torch.bfloat16, head_dim=128, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=4096).cuda()  # fmt: skip
     base = random_prompts([2400, 1700, 1600, 700, 90, 5], seed=8)
     prompts = [*base, base[1][:1600] + base[5], base[0][:2000] + base[4][:40]]  # prefix hits on base[1], base[0]
     settings = [dict(max_new_tokens=64, do_sample=False)] * len(prompts)
     settings[3] = dict(max_new_tokens=10, do_sample=False, num_beams=2)
     settings[4] = dict(max_new_tokens=10, do_sample=True, seed=4, num_return_sequences=2)
-    calls = []
-    real = paged_attention_module.attend_fresh_prompts
-    monkeypatch.setattr(
-        paged_attention_module, "attend_fresh_prompts", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1]
+    # (240 blocks: the two longest prompts fit together but not their 64 new tokens; the same pool preempts on the
+    # CPU, float32, with and without async scheduling)
+    results, stats = gluon_kernel_on_and_off(
+        monkeypatch,
+        gpu_qwen3_128(),
+        [{"prompt": p, **kw} for p, kw in zip(prompts, settings)],
+        block_size=16,
+        num_blocks=240,
+        max_num_batched_tokens=2048,
+        preemption_mode=mode,
     )
-    results = {}
-    for gluon in (False, True):
-        monkeypatch.setattr(prompt_gluon, "ENABLED", gluon)
-        # (240 blocks: the two longest prompts fit together but not their 64 new tokens; the same pool preempts on
-        # the CPU, float32, with and without async scheduling)
-        hfpaged.patch(model, block_size=16, num_blocks=240, max_num_batched_tokens=2048, preemption_mode=mode)
-        try:
-            outs = model.generate_many([{"prompt": p, **kw} for p, kw in zip(prompts, settings)])
-            stats = hfpaged.stats(model)
-        finally:
-            hfpaged.unpatch(model)
-        results[gluon] = [[s.token_ids for s in r.sequences] for r in outs]
-        assert bool(calls) == gluon and all(calls)
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
     assert results[True] == results[False]
