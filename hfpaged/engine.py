@@ -88,9 +88,10 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
             t1 = clock()
             outputs = list(scheduler_output.failed)
-            # a step nested in this one (a generate_many from a processor) must not take its requests' room
+            # a step nested in this one (a generate_many from a processor) must not take the room of its requests
+            # that wait for their token from it (core/preemption.py)
             in_step = (scheduler_output, *([self.in_flight[0]] if self.in_flight else []))
-            self.scheduler.held = held | {item.request_id for step in in_step for item in step.scheduled}
+            self.scheduler.held = held | {i.request_id for step in in_step for i in step.scheduled if i.samples}
             with escapable(self.guard):  # (a second Ctrl-C may stop the forward)
                 result = self.runner.execute(scheduler_output)
             t2 = clock()

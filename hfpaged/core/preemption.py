@@ -2,10 +2,12 @@
 restarts, and the one case where preempting cannot help - a step nested in another step of the same engine.
 
 A ``generate_many`` on the same model from inside one of its steps (a logits processor or stopping criterion
-generating with it) runs steps of its own while the enclosing step waits for it. The enclosing step's requests
-(``held``) keep their blocks and sequence slots until it ends, which it cannot before the nested call returns: a
-nested request that needs room only they hold would be preempted and re-admitted without end, or never admitted.
-It fails instead, naming the room it lacks; the enclosing step's own requests are never its victims.
+generating with it) runs steps of its own while the enclosing step waits for it. The requests that wait for their
+token from the enclosing step (``held``: sampled by it, or by the step in flight) cannot move before it ends, which
+it cannot before the nested call returns, so they keep their blocks and sequence slots: a nested request that needs
+room only they hold would be preempted and re-admitted without end, or never admitted. It fails instead, naming the
+room it lacks. Held requests are never preempted in a nested step, nor preempt anyone there. (The enclosing step's
+other requests, prompts still prefilling, move on in the nested steps like any other.)
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
 class Preemption:
     """Mixin of ``Scheduler`` (its queues, KV manager and helpers)."""
 
-    held: frozenset[str] = frozenset()  # ids of requests scheduled by steps under way that enclose this one
+    held: frozenset[str] = frozenset()  # ids of the requests that wait for a token from an enclosing step
 
     def _preempt(self, request: Request, out: SchedulerOutput, restart: bool = False) -> list[Request]:
         """Preempt ``request``, or every beam of its group with it; returns the requests preempted. ``restart``:
@@ -82,17 +84,24 @@ class Preemption:
     # --- a step nested in another ---------------------------------------------------------------------
 
     def _held_up(self, request: Request, out: SchedulerOutput) -> bool:
-        """Whether ``request``, which needs a block, can only wait: every other running request belongs to an
-        enclosing step (and preempting itself would not make room). One of that step's requests waits for it,
-        unscheduled; any other fails with the reason (its outputs in ``out.failed``)."""
+        """Whether ``request``, which needs a block, must do without preempting anyone: in a nested step, a request
+        of an enclosing step waits for that step (unscheduled; it takes no nested request's room, which could
+        preempt a nested request at every other step for ever), and any other request whose room only the
+        enclosing step's requests hold fails with the reason (its outputs in ``out.failed``)."""
         if not self.held:
             return False
+        if request.request_id in self.held:
+            return True
         mine = {id(member) for member in request.members} if request.beam_search is not None else {id(request)}
         if any(id(r) not in mine and r.request_id not in self.held for r in self.running):
-            return False  # a request of this nested call can be preempted instead
-        if request.request_id not in self.held:
-            out.failed += self._fail_beside_held(request)
+            return False  # another request outside the enclosing step can be preempted (or finish) first
+        out.failed += self._fail_beside_held(request)
         return True
+
+    def _victim(self) -> Request:
+        """The request to preempt for room: the most recently admitted running one, not one of an enclosing
+        step's (``_held_up`` has made sure there is one)."""
+        return next(r for r in reversed(self.running) if r.request_id not in self.held)
 
     def no_progress(self) -> list[RequestOutput]:
         """A step that scheduled nothing, with no step in flight and requests unfinished. In a nested step the
@@ -113,10 +122,10 @@ class Preemption:
         prompt = f"prompt {request.index}" if request.index is not None else f"request {request.request_id!r}"
         error = RuntimeError(
             f"{prompt} cannot run inside a step of the same model (a generate_many from a logits processor or "
-            f"stopping criterion): that step's {len(held)} sequences keep {blocks} of the {self.kv.num_blocks} KV "
-            f"blocks and {len(held)} of max_num_seqs={self.config.max_num_seqs} until it ends, and this prompt "
-            f"needs a sequence and {self.kv.blocks_for(request.num_tokens + 1)} blocks beside them. Patch with more num_blocks "
-            "or max_num_seqs, or generate outside the step"
+            f"stopping criterion): the sequences waiting for that step's tokens ({len(held)}) keep {blocks} of the "
+            f"{self.kv.num_blocks} KV blocks and {len(held)} of max_num_seqs={self.config.max_num_seqs} until it "
+            f"ends, and this prompt needs a sequence and {self.kv.blocks_for(request.num_tokens + 1)} blocks beside "
+            "them. Patch with more num_blocks or max_num_seqs, or generate outside the step"
         )
         members = [m for m in request.members if not m.is_finished] if request.beam_search is not None else [request]
         for member in members:

@@ -219,7 +219,7 @@ class Scheduler(Preemption, SequenceGroups):
                 if self._held_up(request, out):  # a nested step's: it waits, or fails (core/preemption.py)
                     num_new = 0
                     break
-                for victim in self._preempt(self.running[-1], out):
+                for victim in self._preempt(self._victim(), out):
                     undone = scheduled.pop(victim.request_id, None)
                     if undone is not None:  # give back what the victim was granted this step
                         budget += undone.num_tokens
