@@ -109,11 +109,14 @@ def test_generated_ids_skip_the_ids_callers_chose(model):
 def test_unpatch_ends_every_callers_wait(model):
     slow = [RaiseAt(10_000, RuntimeError)]  # never raises (a processor on the exact path, as the thread's)
     errors = []
+    # the thread's prompt must still run when unpatch gets the engine's lock, which the stepping thread can win
+    # back for a while (session 40: with 40 tokens, ~2 s, it once finished first under a loaded 2-core run)
+    hfpaged.patch(model, num_blocks=160, block_size=4, max_num_seqs=6, max_num_batched_tokens=32)
 
     def run():
         try:
             model.generate_many(
-                [PROMPTS[0]], max_new_tokens=40, logits_processor=[lambda i, s: (time.sleep(0.05), s)[1]]
+                [PROMPTS[0]], max_new_tokens=400, logits_processor=[lambda i, s: (time.sleep(0.05), s)[1]]
             )
         except RuntimeError as error:
             errors.append(str(error))
