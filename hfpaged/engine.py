@@ -83,15 +83,13 @@ class EngineCore:
         with contextlib.suppress(ReferenceError):  # (an unpatched model's stale handle: nothing to step)
             if self.state.weights.adapters_toggled():  # steps between calls under another adapter state (PEFT)
                 self.check_weights(self.runner.model)
-        scheduler_output, outputs, held = None, [], self.scheduler.held
+        scheduler_output, outputs, nesting = None, [], self.scheduler.nesting
         try:
             scheduler_output = self.scheduler.schedule()
             t1 = clock()
             outputs = list(scheduler_output.failed)
-            # a step nested in this one (a generate_many from a processor) must not take the room of its requests
-            # that wait for their token from it (core/preemption.py)
-            in_step = (scheduler_output, *([self.in_flight[0]] if self.in_flight else []))
-            self.scheduler.held = held | {i.request_id for step in in_step for i in step.scheduled if i.samples}
+            # a step nested in this one (a generate_many from a processor) leaves alone its requests (core/preemption.py)
+            self.scheduler.enter_step(scheduler_output, self.in_flight[0] if self.in_flight else None)
             with escapable(self.guard):  # (a second Ctrl-C may stop the forward)
                 result = self.runner.execute(scheduler_output)
             t2 = clock()
@@ -105,7 +103,7 @@ class EngineCore:
             elif result is not None:
                 outputs += self._update((scheduler_output, result))
             elif previous is None and self.scheduler.has_unfinished():
-                outputs = outputs or self.scheduler.no_progress()  # fails a nested step's request, or raises
+                outputs = outputs or self.scheduler.no_progress(nesting[1])  # fails a nested request, or raises
             if self.in_flight is not None and not self.scheduler.has_unfinished():
                 self.in_flight = None  # launched for requests that have finished since (eos): its tokens are nobody's
         except BaseException as error:
@@ -117,7 +115,9 @@ class EngineCore:
                 raise torch.OutOfMemoryError(message) from error
             raise
         finally:
-            self.scheduler.held = held
+            self.scheduler.nesting = nesting
+        if result is not None:  # a step nested in an update replaced it: the next step reads this one's tokens
+            self.runner.previous = result
         timings = self.timings
         timings["schedule"], timings["steps"] = timings["schedule"] + t1 - t0, timings["steps"] + 1
         timings["execute"] += t2 - t1  # host: inputs + launches (the device runs on asynchronously)

@@ -9,8 +9,9 @@ the outer requests go on exact; with room the nested call is exact as before."""
 import re
 
 import pytest
+import torch
 from models import make_model, random_prompts, reference_generate
-from transformers import LogitsProcessor
+from transformers import LogitsProcessor, StoppingCriteria
 
 import hfpaged
 from hfpaged.core import scheduler as scheduler_module
@@ -39,18 +40,32 @@ def all_free(m):
 class Nested(LogitsProcessor):
     """At each of its prompt's steps, generates with the same model; records what came back or what it raised."""
 
-    def __init__(self, model, catch):
-        self.model, self.catch, self.results = model, catch, []
+    def __init__(self, model, catch, prompt=INNER, **settings):
+        self.model, self.catch, self.prompt, self.results = model, catch, prompt, []
+        self.settings = settings or dict(max_new_tokens=5, do_sample=False)
 
     def __call__(self, input_ids, scores):
         try:
-            out = self.model.generate_many([INNER], max_new_tokens=5, do_sample=False)
-            self.results.append(out[0].token_ids)
+            out = self.model.generate_many([self.prompt], **self.settings)
+            self.results.append(
+                out[0].token_ids if len(out[0].sequences) == 1 else [s.token_ids for s in out[0].sequences]
+            )
         except RuntimeError as error:
             if not self.catch:
                 raise
             self.results.append(error)
         return scores
+
+
+class NestingStop(StoppingCriteria):
+    """A stopping criterion that generates with the same model (through ``nested``) and stops nothing."""
+
+    def __init__(self, nested):
+        self.nested = nested
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.nested(input_ids, scores)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
 @pytest.fixture
@@ -139,4 +154,61 @@ def test_a_nested_prompt_waits_for_an_outer_prompt_that_is_still_prefilling(no_l
     assert [r.token_ids for r in got] == expected_outer
     assert results == [expected_inner] * 3
     assert hfpaged.stats(model)["num_preemptions"] > 0  # it did wait for room
+    assert all_free(model)
+
+
+def test_an_outer_prompt_waiting_for_a_slot_is_not_failed_in_the_nested_ones_place(no_livelock):
+    # three outer prompts and max_num_seqs=2: the third waits for a slot while the nested calls run. A first version
+    # failed it with the nested error (the first queued request), and with it the whole outer call; nested prompts
+    # now queue ahead of the enclosing calls' waiting ones, and only they fail
+    model = make_model("llama", seed=7)
+    outer = [[11, 12, 13], [21, 22, 23, 24], [41, 42, 43, 44, 45]]
+    expected = reference_generate(model, outer, max_new_tokens=4, do_sample=False)
+    hfpaged.patch(model, num_blocks=64, block_size=4, max_num_seqs=2)
+    nested = Nested(model, catch=True)
+    got = model.generate_many(
+        [dict(prompt=outer[0], logits_processor=[nested]), *outer[1:]], max_new_tokens=4, do_sample=False
+    )
+    assert [r.token_ids for r in got] == expected
+    assert len(nested.results) == 4 and all(re.search(NESTED_ERROR, str(error)) for error in nested.results)
+    assert all_free(model)
+
+
+@pytest.mark.parametrize("num_blocks", [7, 9])
+def test_a_nested_beam_search_fails_whole_or_is_exact(num_blocks, no_livelock):
+    # a nested beam search whose beams need a block each beside the outer step's sequences: a first version failed
+    # the beams after one had been granted its rows in the same step (a KeyError that ended the outer call)
+    model = make_model("llama", seed=7)
+    inner = [31, 32, 33, 34, 35, 36, 37]
+    beams = dict(max_new_tokens=6, do_sample=False, num_beams=2)
+    expected_outer = reference_generate(model, OUTER, max_new_tokens=4, do_sample=False)
+    expected_beams = reference_generate(model, [inner], **beams)[0]
+    hfpaged.patch(model, num_blocks=num_blocks, block_size=4, max_num_seqs=8)
+    nested = Nested(model, catch=True, prompt=inner, **beams)
+    got = model.generate_many(
+        [dict(prompt=OUTER[0], logits_processor=[nested]), OUTER[1]], max_new_tokens=4, do_sample=False
+    )
+    assert [r.token_ids for r in got] == expected_outer
+    failures = [r for r in nested.results if isinstance(r, RuntimeError)]
+    assert failures and all(re.search(NESTED_ERROR, str(e)) and "needs 2 more sequence(s)" in str(e) for e in failures)
+    assert [r for r in nested.results if r not in failures] == [expected_beams] * (4 - len(failures))
+    assert all_free(model)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_stopping_criterion_that_generates_with_the_same_model_is_exact(async_scheduling, no_livelock):
+    # stop checks run after the enclosing step's tokens are appended: nested steps scheduled those requests again
+    # (they ran on inside the nested call and re-entered their own criterion: 34 tokens for 4, or a RecursionError)
+    # and, with overlapped steps, the nested steps' results replaced the one the next step reads its tokens from
+    # (wrong tokens). Now a nested step leaves them alone and is never overlapped, and the step restores its result.
+    model = make_model("llama", seed=7)
+    expected_outer = reference_generate(model, OUTER, max_new_tokens=4, do_sample=False)
+    expected_inner = reference_generate(model, [INNER], max_new_tokens=5, do_sample=False)[0]
+    hfpaged.patch(model, num_blocks=64, block_size=4, max_num_seqs=8, async_scheduling=async_scheduling)
+    nested = Nested(model, catch=False)
+    got = model.generate_many(
+        [dict(prompt=OUTER[0], stopping_criteria=[NestingStop(nested)]), OUTER[1]], max_new_tokens=4, do_sample=False
+    )
+    assert [r.token_ids for r in got] == expected_outer
+    assert nested.results == [expected_inner] * 4
     assert all_free(model)

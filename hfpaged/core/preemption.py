@@ -18,13 +18,15 @@ from ..outputs import RequestOutput, progress_output
 from .request import LONG_ROPE_SALT, Request, RequestStatus
 
 if TYPE_CHECKING:
-    from .scheduler_output import SchedulerOutput
+    from .scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 class Preemption:
     """Mixin of ``Scheduler`` (its queues, KV manager and helpers)."""
 
-    held: frozenset[str] = frozenset()  # ids of the requests that wait for a token from an enclosing step
+    # (ids of the requests that wait for a token from a step under way, how many steps are under way): outside
+    # steps empty and 0; in a step nested in another (a generate_many from a processor) both > 0
+    nesting: tuple[frozenset[str], int] = (frozenset(), 0)
 
     def _preempt(self, request: Request, out: SchedulerOutput, restart: bool = False) -> list[Request]:
         """Preempt ``request``, or every beam of its group with it; returns the requests preempted. ``restart``:
@@ -83,15 +85,29 @@ class Preemption:
 
     # --- a step nested in another ---------------------------------------------------------------------
 
+    @property
+    def held(self) -> frozenset[str]:
+        return self.nesting[0]
+
+    @property
+    def depth(self) -> int:
+        return self.nesting[1]
+
+    def enter_step(self, out: SchedulerOutput, in_flight: SchedulerOutput | None) -> None:
+        """Step ``out`` runs (and ``in_flight``'s tokens may be read) until ``nesting`` is set back: a step nested in
+        it leaves alone the requests that wait for a token from either (``EngineCore.step``)."""
+        held, depth = self.nesting
+        steps = (out, in_flight) if in_flight is not None else (out,)
+        self.nesting = (
+            held | {item.request_id for step in steps for item in step.scheduled if item.samples},
+            depth + 1,
+        )
+
     def _held_up(self, request: Request, out: SchedulerOutput) -> bool:
-        """Whether ``request``, which needs a block, must do without preempting anyone: in a nested step, a request
-        of an enclosing step waits for that step (unscheduled; it takes no nested request's room, which could
-        preempt a nested request at every other step for ever), and any other request whose room only the
-        enclosing step's requests hold fails with the reason (its outputs in ``out.failed``)."""
+        """Whether ``request``, which needs a block in a nested step, can get it from no one: every other running
+        request waits for an enclosing step's token. Then it fails with the reason (its outputs in ``out.failed``)."""
         if not self.held:
             return False
-        if request.request_id in self.held:
-            return True
         mine = {id(member) for member in request.members} if request.beam_search is not None else {id(request)}
         if any(id(r) not in mine and r.request_id not in self.held for r in self.running):
             return False  # another request outside the enclosing step can be preempted (or finish) first
@@ -99,17 +115,31 @@ class Preemption:
         return True
 
     def _victim(self) -> Request:
-        """The request to preempt for room: the most recently admitted running one, not one of an enclosing
-        step's (``_held_up`` has made sure there is one)."""
+        """The request to preempt for room: the most recently admitted running one that waits for no enclosing
+        step's token (``_held_up`` has made sure there is one)."""
         return next(r for r in reversed(self.running) if r.request_id not in self.held)
 
-    def no_progress(self) -> list[RequestOutput]:
-        """A step that scheduled nothing, with no step in flight and requests unfinished. In a nested step the
-        request at the head of the queue cannot join beside the enclosing step's requests, now or later: it fails
-        (its outputs). Otherwise (or if it is one of the enclosing step's) nothing can ever run: RuntimeError."""
-        queue = self.swapped or self.waiting
-        if self.held and queue and queue[0].request_id not in self.held:
-            return self._fail_beside_held(queue[0])
+    def _ungrant(self, requests: list[Request], scheduled: dict[str, ScheduledRequest]) -> int:
+        """Take back what ``requests`` were granted earlier in this step (preempted or failed); the tokens freed."""
+        undone = [scheduled.pop(request.request_id, None) for request in requests]
+        return sum(item.num_tokens for item in undone if item is not None)
+
+    def _queue_nested(self, request: Request) -> None:
+        """A prompt added by a ``generate_many`` nested in a step waits ahead of the enclosing calls' waiting
+        prompts (behind its own call's and deeper ones): those cannot move on before it returns."""
+        request.added_depth = depth = self.depth
+        at = next((i for i, r in enumerate(self.waiting) if r.members[0].added_depth < depth), len(self.waiting))
+        self.waiting.insert(at, request)
+
+    def no_progress(self, depth: int) -> list[RequestOutput]:
+        """A step that scheduled nothing, with no step in flight and requests unfinished, inside ``depth`` steps
+        under way. In a nested step the first queued prompt of the nested call cannot join beside the requests
+        waiting for the enclosing step, now or later: it fails (its outputs). Otherwise nothing can ever run:
+        RuntimeError."""
+        if depth:
+            for request in (*self.swapped, *self.waiting):
+                if request.members[0].added_depth >= depth:
+                    return self._fail_beside_held(request)
         raise RuntimeError(
             "scheduler made no progress: nothing could be scheduled and no step is in flight "
             f"({len(self.waiting)} waiting, {len(self.running)} running, {len(self.swapped)} swapped, "
@@ -119,15 +149,17 @@ class Preemption:
     def _fail_beside_held(self, request: Request) -> list[RequestOutput]:
         held = [r for r in self.running if r.request_id in self.held]
         blocks = len({block for r in held for block in self.kv.block_ids(r)})
+        members = [m for m in request.members if not m.is_finished] if request.beam_search is not None else [request]
+        sequences = len(members) + request.members[0].num_forks_pending  # (beams or samples it forks into)
         prompt = f"prompt {request.index}" if request.index is not None else f"request {request.request_id!r}"
         error = RuntimeError(
             f"{prompt} cannot run inside a step of the same model (a generate_many from a logits processor or "
             f"stopping criterion): the sequences waiting for that step's tokens ({len(held)}) keep {blocks} of the "
             f"{self.kv.num_blocks} KV blocks and {len(held)} of max_num_seqs={self.config.max_num_seqs} until it "
-            f"ends, and this prompt needs a sequence and {self.kv.blocks_for(request.num_tokens + 1)} blocks beside "
-            "them. Patch with more num_blocks or max_num_seqs, or generate outside the step"
+            f"ends, and this prompt needs {sequences} more sequence(s) and at least "
+            f"{self.kv.blocks_for(request.num_tokens + 1)} blocks beside them (and the watermark's "
+            f"{self.watermark_blocks}). Patch with more num_blocks or max_num_seqs, or generate outside the step"
         )
-        members = [m for m in request.members if not m.is_finished] if request.beam_search is not None else [request]
         for member in members:
             self.finish(member, "error", error)
         return [progress_output(member, 0) for member in members]

@@ -84,6 +84,7 @@ class Request:
         self.request_id = request_id
         self.prompt_id = request_id  # the id of its prompt's first request (its own, unless it was forked)
         self.index = index  # position in the caller's prompt list, when there is one
+        self.added_depth = 0  # engine steps under way when it was added (> 0: by a call nested in a step)
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.params = params

@@ -83,7 +83,10 @@ class Scheduler(Preemption, SequenceGroups):
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self.depth:
+            self._queue_nested(request)
+        else:
+            self.waiting.append(request)
         self._restarting = self._restarting or request.restart_past is not None
 
     def has_unfinished(self) -> bool:
@@ -197,7 +200,8 @@ class Scheduler(Preemption, SequenceGroups):
         # model's positions: stock stops there only at an eos, which the placeholder may be (it waits to be read).
         decodes, prefills = [], []
         last_position = self.max_model_len or (1 << 62)
-        for r in self.running:
+        held = self.held  # (in a nested step: requests waiting for an enclosing step's token stay where they are)
+        for r in self.running if not held else [r for r in self.running if r.request_id not in held]:
             num_tokens = r.num_tokens
             behind = num_tokens - r.num_computed_tokens
             if behind == 1:
@@ -216,17 +220,14 @@ class Scheduler(Preemption, SequenceGroups):
             start = request.num_computed_tokens
             num_new = min(num_tokens - start, budget)
             while not (has_room(request, start, start + num_new) or allocate(request, start + num_new)):
-                if self._held_up(request, out):  # a nested step's: it waits, or fails (core/preemption.py)
-                    num_new = 0
+                if self._held_up(request, out):  # a nested step's request without room: it fails (core/preemption.py)
+                    budget += self._ungrant([m for m in request.members if m.is_finished], scheduled)  # its beams'
                     break
-                for victim in self._preempt(self._victim(), out):
-                    undone = scheduled.pop(victim.request_id, None)
-                    if undone is not None:  # give back what the victim was granted this step
-                        budget += undone.num_tokens
+                budget += self._ungrant(self._preempt(self._victim(), out), scheduled)  # what the victims were given
                 if request.status is not running:
                     break
                 num_new = min(num_tokens - start, budget)
-            if request.status is not running or num_new == 0:
+            if request.status is not running:
                 continue
             scheduled[request.request_id] = _scheduled(request, num_new, num_tokens)
             budget -= num_new
@@ -285,9 +286,14 @@ class Scheduler(Preemption, SequenceGroups):
                 if update is not None:
                     out.cached_requests.append(CachedRequestData(item.request_id, *update))
         # Sampling that reads the token history, forks or moves beams needs this step's tokens before the
-        # next step is planned; otherwise they count as placeholders until they are read.
-        out.overlapped = self.config.async_scheduling and not any(
-            r.params.stages_read_history or r.num_forks_pending or r.beam_search is not None for r in sampled
+        # next step is planned; otherwise they count as placeholders until they are read. (A nested step's are read
+        # before it returns: the enclosing step's own result is the one in flight after it.)
+        out.overlapped = (
+            self.config.async_scheduling
+            and not self.depth
+            and not any(
+                r.params.stages_read_history or r.num_forks_pending or r.beam_search is not None for r in sampled
+            )
         )
         if out.overlapped:
             for request in sampled:
