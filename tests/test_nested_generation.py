@@ -212,3 +212,40 @@ def test_a_stopping_criterion_that_generates_with_the_same_model_is_exact(async_
     assert [r.token_ids for r in got] == expected_outer
     assert nested.results == [expected_inner] * 4
     assert all_free(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("where", ["processor", "stopping criterion"])
+def test_gpu_a_nested_generation_with_cuda_graphs_is_exact(where):
+    # default options on CUDA: the outer and the nested steps replay CUDA graphs whose outputs (logits, greedy picks)
+    # live in buffers every replay of a bucket writes; the nested steps run while the outer step's logits are in use
+    model = make_model("llama", seed=3).cuda()
+    outer = random_prompts([3, 17, 9, 33, 5], seed=5)
+    inner = random_prompts([6, 21], seed=6)
+    expected_outer = reference_generate(model, outer, max_new_tokens=10, do_sample=False)
+    expected_inner = reference_generate(model, inner, max_new_tokens=7, do_sample=False)
+    hfpaged.patch(model, num_blocks=256, block_size=4, max_num_seqs=16)
+    results = []
+
+    def nest():
+        results.append([r.token_ids for r in model.generate_many(inner, max_new_tokens=7, do_sample=False)])
+
+    class NestingProcessor(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            nest()
+            return scores
+
+    class Stop(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            nest()
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    hook = {"logits_processor": [NestingProcessor()]} if where == "processor" else {"stopping_criteria": [Stop()]}
+    got = model.generate_many(
+        [dict(prompt=outer[1], **hook), *outer[:1], *outer[2:]], max_new_tokens=10, do_sample=False
+    )
+    assert [r.token_ids for r in got] == [expected_outer[1], expected_outer[0], *expected_outer[2:]]
+    assert results == [expected_inner] * 10
+    assert hfpaged.stats(model)["num_free_blocks"] == hfpaged.stats(model)["num_blocks"]
+    assert [r.token_ids for r in model.generate_many(outer, max_new_tokens=10, do_sample=False)] == expected_outer
