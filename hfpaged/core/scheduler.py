@@ -288,9 +288,10 @@ class Scheduler(Preemption, SequenceGroups):
         # Sampling that reads the token history, forks or moves beams needs this step's tokens before the
         # next step is planned; otherwise they count as placeholders until they are read. (A nested step's are read
         # before it returns: the enclosing step's own result is the one in flight after it.)
+        out.nested = self.depth > 0
         out.overlapped = (
             self.config.async_scheduling
-            and not self.depth
+            and not out.nested
             and not any(
                 r.params.stages_read_history or r.num_forks_pending or r.beam_search is not None for r in sampled
             )

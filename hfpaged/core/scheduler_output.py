@@ -81,6 +81,7 @@ class SchedulerOutput:
     # whether the next step may be scheduled before this one's tokens are read (its sampled tokens count as
     # placeholders until then)
     overlapped: bool = False
+    nested: bool = False  # run inside another step of the engine (core/preemption.py): eager, not overlapped
     failed: list[RequestOutput] = field(default_factory=list)  # of requests failed in scheduling (core/preemption.py)
 
     @property

@@ -342,8 +342,9 @@ class ModelRunner:
         return True
 
     def _graphs_for(self, out: SchedulerOutput) -> tuple[StepGraphs | None, int | None]:
-        """The captured graphs and bucket this step replays, or (None, None) to run it eagerly."""
-        if not self.use_graphs or self.state.calibration_pending:
+        """The captured graphs and bucket this step replays, or (None, None) to run it eagerly (a step nested in another
+        too: a replay would overwrite the outputs, logits and greedy picks, that the enclosing step still reads)."""
+        if not self.use_graphs or out.nested or self.state.calibration_pending:
             return None, None
         if self.batch.max_blocks(out.scheduled) > self.graph_width:
             return None, None
