@@ -88,8 +88,7 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
             t1 = clock()
             outputs = list(scheduler_output.failed)
-            # a step nested in this one (a generate_many from a processor) leaves alone its requests (core/preemption.py)
-            self.scheduler.enter_step(scheduler_output, self.in_flight[0] if self.in_flight else None)
+            self.scheduler.enter_step(scheduler_output, self.in_flight[0] if self.in_flight else None)  # (nested steps)
             with escapable(self.guard):  # (a second Ctrl-C may stop the forward)
                 result = self.runner.execute(scheduler_output)
             t2 = clock()
@@ -103,13 +102,13 @@ class EngineCore:
             elif result is not None:
                 outputs += self._update((scheduler_output, result))
             elif previous is None and self.scheduler.has_unfinished():
-                outputs = outputs or self.scheduler.no_progress(nesting[1])  # fails a nested request, or raises
+                outputs = outputs or self.scheduler.no_progress(scheduler_output, nesting[1])  # or raises
             if self.in_flight is not None and not self.scheduler.has_unfinished():
                 self.in_flight = None  # launched for requests that have finished since (eos): its tokens are nobody's
         except BaseException as error:
             # what the step made before failing (tokens kept; an update's half too): step_for_clients hands it out
             self.undelivered, self.scheduler.failed_outputs = outputs + self.scheduler.failed_outputs, []
-            self.recover()
+            self.recover(error if nesting[1] else None)
             if isinstance(error, torch.OutOfMemoryError):
                 message = out_of_memory_message(self.state.config, scheduler_output, error)
                 raise torch.OutOfMemoryError(message) from error
@@ -118,6 +117,8 @@ class EngineCore:
             self.scheduler.nesting = nesting
         if result is not None:  # a step nested in an update replaced it: the next step reads this one's tokens
             self.runner.previous = result
+        if self.scheduler.nested_failure is not None:  # in this step's last update: its reset requeued every request
+            self.scheduler.nested_failure = self.in_flight = None  # (the tokens in flight are sampled again)
         timings = self.timings
         timings["schedule"], timings["steps"] = timings["schedule"] + t1 - t0, timings["steps"] + 1
         timings["execute"] += t2 - t1  # host: inputs + launches (the device runs on asynchronously)
@@ -132,11 +133,12 @@ class EngineCore:
         self.timings["wait"] += time.perf_counter() - t0  # the host idle, waiting for the device
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
-    def recover(self) -> None:
+    def recover(self, nested_error: BaseException | None = None) -> None:
         """After a failed step: nothing in flight, every unfinished request waiting to be recomputed."""
         self.in_flight = None
         self.scheduler.reset()
         self.runner.reset()
+        self.scheduler.nested_failure = nested_error  # a nested step's: the enclosing step fails too (its reset)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.in_flight is not None
@@ -213,10 +215,8 @@ class EngineCore:
         with self.lock:
             self.reap_orphans()
             if self.has_unfinished():
-                raise RuntimeError(
-                    f"cannot sleep while {len(self.scheduler.requests)} requests run on this model; "
-                    "let them finish or abort them first"
-                )
+                n = len(self.scheduler.requests)
+                raise RuntimeError(f"cannot sleep while {n} requests run on this model: let them finish or abort them")
             if self.state.asleep:
                 return
             self.kv.reset_prefix_cache()  # the blocks' contents go with the memory

@@ -249,3 +249,121 @@ def test_gpu_a_nested_generation_with_cuda_graphs_is_exact(where):
     assert results == [expected_inner] * 10
     assert hfpaged.stats(model)["num_free_blocks"] == hfpaged.stats(model)["num_blocks"]
     assert [r.token_ids for r in model.generate_many(outer, max_new_tokens=10, do_sample=False)] == expected_outer
+
+
+def test_an_outer_prompt_needing_room_in_a_nested_step_waits_and_the_nested_one_runs(no_livelock):
+    # the outer call's second prompt prefills in chunks inside the nested steps and runs out of blocks there. A second
+    # version failed it with the nested call's error (the whole outer call raised); it is preempted instead, behind
+    # the nested prompt, which runs exact, and itself a step later (a step that only preempted admits nothing:
+    # not a reason to fail the nested prompt either)
+    model = make_model("llama", seed=7)
+    a, b, inner = [11, 12, 13], list(range(40, 49)), [31, 32, 33, 34, 35]
+    settings = dict(max_new_tokens=5, do_sample=False)
+    expected_outer = reference_generate(model, [a, b], **settings)
+    expected_inner = reference_generate(model, [inner], **settings)[0]
+    hfpaged.patch(model, num_blocks=8, block_size=2, max_num_seqs=4, max_num_batched_tokens=3, async_scheduling=False)
+    nested = Nested(model, catch=True, prompt=inner, **settings)
+    calls = []
+
+    def second_call_only(input_ids, scores):
+        calls.append(1)
+        return nested(input_ids, scores) if len(calls) == 2 else scores
+
+    got = model.generate_many([dict(prompt=a, logits_processor=[second_call_only]), b], **settings)
+    assert [r.token_ids for r in got] == expected_outer
+    assert nested.results == [expected_inner]
+    assert all_free(model)
+
+
+def test_a_swapped_outer_prompt_does_not_keep_a_nested_one_out(no_livelock):
+    # swapped requests come back before waiting ones join; an outer prompt swapped out cannot come back while the
+    # enclosing step's sequences keep their blocks, and a second version failed the nested prompt behind it
+    model = make_model("llama", seed=7)
+    first, second, inner = [11, 12, 13], list(range(40, 54)), [31, 32, 33]
+    expected_outer = reference_generate(model, [first, second], max_new_tokens=8, do_sample=False)
+    expected_inner = reference_generate(model, [inner], max_new_tokens=2, do_sample=False)[0]
+    hfpaged.patch(model, num_blocks=11, block_size=2, max_num_seqs=4, preemption_mode="swap", async_scheduling=False)
+    scheduler = hfpaged.model.attach.get_state(model).engine.scheduler
+    nested = Nested(model, catch=True, prompt=inner, max_new_tokens=2, do_sample=False)
+
+    def while_one_is_swapped(input_ids, scores):
+        return nested(input_ids, scores) if scheduler.swapped and not nested.results else scores
+
+    got = model.generate_many([dict(prompt=first, logits_processor=[while_one_is_swapped]), second], max_new_tokens=8)
+    assert [r.token_ids for r in got] == expected_outer
+    assert nested.results == [expected_inner]
+    assert all_free(model)
+
+
+@pytest.mark.parametrize("beams", [False, True], ids=["greedy", "beams"])
+def test_a_failed_nested_step_fails_the_enclosing_step_too(beams, monkeypatch):
+    # a nested step that fails (out of memory here) resets every request, the enclosing step's too (its beam rounds
+    # rolled back): the outer beam searches came out wrong when the processor caught the nested error. Now the
+    # enclosing step fails with an error that names the nested one, and everything is recomputed or reported
+    model = make_model("llama", seed=7)
+    prompts = random_prompts([3, 5, 7], seed=1)
+    settings = dict(max_new_tokens=6, do_sample=False, **(dict(num_beams=2) if beams else {}))
+    expected = reference_generate(model, prompts, **settings)
+    hfpaged.patch(model, num_blocks=40, block_size=4, max_num_seqs=8)
+    runner = hfpaged.model.attach.get_state(model).engine.runner
+    execute, fail_next = runner.execute, []
+
+    def failing_execute(out):
+        if fail_next and not out.is_empty:
+            fail_next.clear()
+            raise torch.OutOfMemoryError("simulated")
+        return execute(out)
+
+    monkeypatch.setattr(runner, "execute", failing_execute)
+    caught = []
+
+    def nest_once(input_ids, scores):
+        if not caught:
+            fail_next.append(True)
+            with pytest.raises(torch.OutOfMemoryError) as error:
+                model.generate_many([[31, 32, 33]], max_new_tokens=2, do_sample=False)
+            caught.append(error.value)  # caught: the enclosing step must not go on as if nothing happened
+        return scores
+
+    with pytest.raises(RuntimeError, match="a generate_many nested in this step .* failed with OutOfMemoryError"):
+        model.generate_many([dict(prompt=prompts[0], logits_processor=[nest_once]), *prompts[1:]], **settings)
+    assert len(caught) == 1 and all_free(model)
+    monkeypatch.undo()
+    assert [r.token_ids for r in model.generate_many(prompts, **settings)] == expected
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_nested_step_failing_in_a_stopping_criterion_leaves_the_outer_greedy_call_exact(async_scheduling):
+    # the nested call fails in the enclosing step's last update (its stop checks): the reset requeued every request
+    # with the tokens it had, and the step in flight (overlapped) is dropped, its tokens sampled again
+    model = make_model("llama", seed=7)
+    prompts = random_prompts([3, 5, 7], seed=1)
+    expected = reference_generate(model, prompts, max_new_tokens=6, do_sample=False)
+    hfpaged.patch(model, num_blocks=40, block_size=4, max_num_seqs=8, async_scheduling=async_scheduling)
+    runner = hfpaged.model.attach.get_state(model).engine.runner
+    execute, fail_next, caught = runner.execute, [], []
+
+    def failing_execute(out):
+        if fail_next and not out.is_empty:
+            fail_next.clear()
+            raise torch.OutOfMemoryError("simulated")
+        return execute(out)
+
+    class NestOnce(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            if not caught:
+                fail_next.append(True)
+                with pytest.raises(torch.OutOfMemoryError) as error:
+                    model.generate_many([[31, 32, 33]], max_new_tokens=2, do_sample=False)
+                caught.append(error.value)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    runner.execute = failing_execute
+    try:
+        got = model.generate_many(
+            [dict(prompt=prompts[0], stopping_criteria=[NestOnce()]), *prompts[1:]], max_new_tokens=6, do_sample=False
+        )
+    finally:
+        runner.execute = execute
+    assert [r.token_ids for r in got] == expected and len(caught) == 1
+    assert all_free(model)

@@ -27,6 +27,7 @@ class Preemption:
     # (ids of the requests that wait for a token from a step under way, how many steps are under way): outside
     # steps empty and 0; in a step nested in another (a generate_many from a processor) both > 0
     nesting: tuple[frozenset[str], int] = (frozenset(), 0)
+    nested_failure: BaseException | None = None  # a nested step's failure, whose reset undid the enclosing step
 
     def _preempt(self, request: Request, out: SchedulerOutput, restart: bool = False) -> list[Request]:
         """Preempt ``request``, or every beam of its group with it; returns the requests preempted. ``restart``:
@@ -57,7 +58,10 @@ class Preemption:
         self.kv.free(request, keep_hashes=True)  # recompute (also the fallback when swap space is full)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        if self.depth and request.members[0].added_depth < self.depth:
+            self.waiting.insert(self._nested_waiting(), request)  # behind the nested call's prompts (_queue_nested)
+        else:
+            self.waiting.appendleft(request)
 
     def _restart_long(self, out: SchedulerOutput) -> None:
         """Requests that grew past their ``restart_past`` tokens with short keys are computed again from their
@@ -103,11 +107,21 @@ class Preemption:
             depth + 1,
         )
 
+    def raise_if_nested_failed(self) -> None:
+        """A step nested in the one under way failed: its reset put every request back to be recomputed (and undid
+        beam rounds) under this step, which must fail too - also when the nested call's caller caught the error."""
+        error, self.nested_failure = self.nested_failure, None
+        if error is not None:
+            raise RuntimeError(
+                "a generate_many nested in this step (from a logits processor or stopping criterion) failed with "
+                f"{type(error).__name__}: {error}; the engine's requests were reset under this step, which fails too"
+            ) from error
+
     def _held_up(self, request: Request, out: SchedulerOutput) -> bool:
-        """Whether ``request``, which needs a block in a nested step, can get it from no one: every other running
+        """Whether ``request``, a nested call's request that needs a block, can get it from no one: every other running
         request waits for an enclosing step's token. Then it fails with the reason (its outputs in ``out.failed``)."""
-        if not self.held:
-            return False
+        if not self.held or request.members[0].added_depth < self.depth:
+            return False  # (not a nested call's: it waits, preempted, for the enclosing step like any other)
         mine = {id(member) for member in request.members} if request.beam_search is not None else {id(request)}
         if any(id(r) not in mine and r.request_id not in self.held for r in self.running):
             return False  # another request outside the enclosing step can be preempted (or finish) first
@@ -124,18 +138,31 @@ class Preemption:
         undone = [scheduled.pop(request.request_id, None) for request in requests]
         return sum(item.num_tokens for item in undone if item is not None)
 
+    def _swapped_first(self) -> bool:
+        """Whether swapped requests keep the waiting ones out this step (they come back first). In a nested step only
+        the nested call's own do: the enclosing calls' may not fit before the enclosing step ends."""
+        if not self.depth:
+            return bool(self.swapped)
+        return any(request.members[0].added_depth >= self.depth for request in self.swapped)
+
     def _queue_nested(self, request: Request) -> None:
         """A prompt added by a ``generate_many`` nested in a step waits ahead of the enclosing calls' waiting
         prompts (behind its own call's and deeper ones): those cannot move on before it returns."""
-        request.added_depth = depth = self.depth
-        at = next((i for i, r in enumerate(self.waiting) if r.members[0].added_depth < depth), len(self.waiting))
-        self.waiting.insert(at, request)
+        request.added_depth = self.depth
+        self.waiting.insert(self._nested_waiting(), request)
 
-    def no_progress(self, depth: int) -> list[RequestOutput]:
-        """A step that scheduled nothing, with no step in flight and requests unfinished, inside ``depth`` steps
-        under way. In a nested step the first queued prompt of the nested call cannot join beside the requests
-        waiting for the enclosing step, now or later: it fails (its outputs). Otherwise nothing can ever run:
-        RuntimeError."""
+    def _nested_waiting(self) -> int:
+        """How many waiting requests, from the front, belong to the nested call of this depth (or deeper)."""
+        depth = self.depth
+        return next((i for i, r in enumerate(self.waiting) if r.members[0].added_depth < depth), len(self.waiting))
+
+    def no_progress(self, out: SchedulerOutput, depth: int) -> list[RequestOutput]:
+        """Step ``out`` scheduled nothing, with no step in flight and requests unfinished, inside ``depth`` steps
+        under way. In a nested step that preempted, the next step may admit what it freed room for: nothing to do.
+        Otherwise there the first queued prompt of the nested call cannot join beside the requests waiting for the
+        enclosing step, now or later: it fails (its outputs). Outside nested steps nothing can ever run: an error."""
+        if depth and out.preempted_ids:
+            return []
         if depth:
             for request in (*self.swapped, *self.waiting):
                 if request.members[0].added_depth >= depth:

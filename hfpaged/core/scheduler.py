@@ -244,7 +244,7 @@ class Scheduler(Preemption, SequenceGroups):
                 self.swapped.popleft()
                 out.swap_in.append(copy)
                 budget -= self._run(request, num_new, scheduled)
-        if not preempted and not self.swapped:
+        if not preempted and not self._swapped_first():
             while self.waiting and budget > 0 and len(self.running) < max_num_seqs:
                 request = self.waiting[0]
                 if request.num_output_placeholders:
@@ -307,6 +307,7 @@ class Scheduler(Preemption, SequenceGroups):
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
         """Append the step's sampled tokens, fork, move beams on, finish what stops; one output per request that
         gained tokens. Requests finished since the step was scheduled are skipped (by object: ids may be reused)."""
+        self.raise_if_nested_failed()  # (in this step's execute, or an update before: core/preemption.py)
         requests = {r.request_id: r.request for r in out.scheduled if self.requests.get(r.request_id) is r.request}
         if self.kv.prefix_cache is not None:  # the step's KV is computed: its full blocks can serve later prompts
             bs = self.kv.block_size
