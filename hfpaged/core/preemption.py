@@ -6,8 +6,11 @@ generating with it) runs steps of its own while the enclosing step waits for it.
 token from the enclosing step (``held``: sampled by it, or by the step in flight) cannot move before it ends, which
 it cannot before the nested call returns, so they keep their blocks and sequence slots: a nested request that needs
 room only they hold would be preempted and re-admitted without end, or never admitted. It fails instead, naming the
-room it lacks. Held requests are never preempted in a nested step, nor preempt anyone there. (The enclosing step's
-other requests, prompts still prefilling, move on in the nested steps like any other.)
+room it lacks. Held requests are neither scheduled nor preempted in a nested step. The enclosing calls' other
+requests (prompts still prefilling, waiting or swapped) move on there like any other, but queue behind the nested
+call's prompts and are preempted, never failed, when they lack room. A nested step runs eagerly and is never
+overlapped (the runner: a CUDA graph replay would overwrite outputs the enclosing step still reads), and a nested
+step that fails takes the enclosing step down with it (``nested_failure``): its reset requeued every request.
 """
 
 from __future__ import annotations
