@@ -367,3 +367,31 @@ def test_a_nested_step_failing_in_a_stopping_criterion_leaves_the_outer_greedy_c
         runner.execute = execute
     assert [r.token_ids for r in got] == expected and len(caught) == 1
     assert all_free(model)
+
+
+def test_a_nested_prompt_swapped_out_comes_back_before_the_enclosing_calls_swapped_ones(no_livelock):
+    # swap mode: an enclosing call's prompt, still prefilling, preempted the nested prompt (swapped out behind the
+    # enclosing calls' swapped prompts, which cannot come back before the enclosing step ends): a fourth version
+    # then failed the nested prompt, which fit. A nested call's swapped prompts now queue first
+    model = make_model("llama", seed=7)
+    outer = [[16, 11, 51, 94, 65, 69, 93, 47, 73], [40, 5, 37, 81], [95, 40, 45, 22, 17, 59, 75, 25]]
+    inner = [[78, 61, 35], [57, 16], [34, 64]]
+    expected_outer = reference_generate(model, outer, max_new_tokens=4, do_sample=False)
+    expected_inner = reference_generate(model, inner, max_new_tokens=2, do_sample=False)
+    options = dict(num_blocks=8, block_size=2, max_num_seqs=8, max_num_batched_tokens=4, preemption_mode="swap")
+    hfpaged.patch(model, **options, async_scheduling=True)
+    results = []
+
+    def nest(input_ids, scores):
+        results.append([r.token_ids for r in model.generate_many(inner, max_new_tokens=2, do_sample=False)])
+        return scores
+
+    engine = hfpaged.Engine(model)
+    ids = [engine.add_request(outer[0], max_new_tokens=4, do_sample=False, logits_processor=[nest])]
+    ids += [engine.add_request(prompt, max_new_tokens=4, do_sample=False) for prompt in outer[1:]]
+    finals = {}
+    while engine.has_unfinished():
+        finals.update({o.prompt_id: o for o in engine.step() if o.finished})
+    assert [finals[i].token_ids for i in ids] == expected_outer
+    assert results == [expected_inner] * 4 and hfpaged.stats(model)["num_swapped_out"] > 0
+    assert all_free(model)

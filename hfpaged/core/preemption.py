@@ -15,6 +15,7 @@ step that fails takes the enclosing step down with it (``nested_failure``): its 
 
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING
 
 from ..outputs import RequestOutput, progress_output
@@ -56,13 +57,16 @@ class Preemption:
                 out.swap_out.append(copy)
                 request.status = RequestStatus.SWAPPED
                 self.counters["num_swapped_out"] += 1
-                self.swapped.append(request)
+                if self.depth and request.members[0].added_depth >= self.depth:  # a nested call's: ahead of the
+                    self.swapped.insert(self._nested_prefix(self.swapped), request)  # enclosing calls' (no room)
+                else:
+                    self.swapped.append(request)
                 return
         self.kv.free(request, keep_hashes=True)  # recompute (also the fallback when swap space is full)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         if self.depth and request.members[0].added_depth < self.depth:
-            self.waiting.insert(self._nested_waiting(), request)  # behind the nested call's prompts (_queue_nested)
+            self.waiting.insert(self._nested_prefix(self.waiting), request)  # behind the nested call's (_queue_nested)
         else:
             self.waiting.appendleft(request)
 
@@ -152,12 +156,12 @@ class Preemption:
         """A prompt added by a ``generate_many`` nested in a step waits ahead of the enclosing calls' waiting
         prompts (behind its own call's and deeper ones): those cannot move on before it returns."""
         request.added_depth = self.depth
-        self.waiting.insert(self._nested_waiting(), request)
+        self.waiting.insert(self._nested_prefix(self.waiting), request)
 
-    def _nested_waiting(self) -> int:
-        """How many waiting requests, from the front, belong to the nested call of this depth (or deeper)."""
+    def _nested_prefix(self, queue: deque[Request]) -> int:
+        """How many requests of ``queue``, from the front, belong to the nested call of this depth (or deeper)."""
         depth = self.depth
-        return next((i for i, r in enumerate(self.waiting) if r.members[0].added_depth < depth), len(self.waiting))
+        return next((i for i, r in enumerate(queue) if r.members[0].added_depth < depth), len(queue))
 
     def no_progress(self, out: SchedulerOutput, depth: int) -> list[RequestOutput]:
         """Step ``out`` scheduled nothing, with no step in flight and requests unfinished, inside ``depth`` steps
