@@ -295,16 +295,8 @@ def test_a_swapped_outer_prompt_does_not_keep_a_nested_one_out(no_livelock):
     assert all_free(model)
 
 
-@pytest.mark.parametrize("beams", [False, True], ids=["greedy", "beams"])
-def test_a_failed_nested_step_fails_the_enclosing_step_too(beams, monkeypatch):
-    # a nested step that fails (out of memory here) resets every request, the enclosing step's too (its beam rounds
-    # rolled back): the outer beam searches came out wrong when the processor caught the nested error. Now the
-    # enclosing step fails with an error that names the nested one, and everything is recomputed or reported
-    model = make_model("llama", seed=7)
-    prompts = random_prompts([3, 5, 7], seed=1)
-    settings = dict(max_new_tokens=6, do_sample=False, **(dict(num_beams=2) if beams else {}))
-    expected = reference_generate(model, prompts, **settings)
-    hfpaged.patch(model, num_blocks=40, block_size=4, max_num_seqs=8)
+def failing_next_step(model, monkeypatch):
+    """The runner's next non-empty step raises a (simulated) out-of-memory error once the returned list holds an item."""
     runner = hfpaged.model.attach.get_state(model).engine.runner
     execute, fail_next = runner.execute, []
 
@@ -315,7 +307,20 @@ def test_a_failed_nested_step_fails_the_enclosing_step_too(beams, monkeypatch):
         return execute(out)
 
     monkeypatch.setattr(runner, "execute", failing_execute)
-    caught = []
+    return fail_next
+
+
+@pytest.mark.parametrize("beams", [False, True], ids=["greedy", "beams"])
+def test_a_failed_nested_step_fails_the_enclosing_step_too(beams, monkeypatch):
+    # a nested step that fails (out of memory here) resets every request, the enclosing step's too (its beam rounds
+    # rolled back): the outer beam searches came out wrong when the processor caught the nested error. Now the
+    # enclosing step fails with an error that names the nested one, and everything is recomputed or reported
+    model = make_model("llama", seed=7)
+    prompts = random_prompts([3, 5, 7], seed=1)
+    settings = dict(max_new_tokens=6, do_sample=False, **(dict(num_beams=2) if beams else {}))
+    expected = reference_generate(model, prompts, **settings)
+    hfpaged.patch(model, num_blocks=40, block_size=4, max_num_seqs=8)
+    fail_next, caught = failing_next_step(model, monkeypatch), []
 
     def nest_once(input_ids, scores):
         if not caught:
@@ -333,21 +338,16 @@ def test_a_failed_nested_step_fails_the_enclosing_step_too(beams, monkeypatch):
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_a_nested_step_failing_in_a_stopping_criterion_leaves_the_outer_greedy_call_exact(async_scheduling):
+def test_a_nested_step_failing_in_a_stopping_criterion_leaves_the_outer_greedy_call_exact(
+    async_scheduling, monkeypatch
+):
     # the nested call fails in the enclosing step's last update (its stop checks): the reset requeued every request
     # with the tokens it had, and the step in flight (overlapped) is dropped, its tokens sampled again
     model = make_model("llama", seed=7)
     prompts = random_prompts([3, 5, 7], seed=1)
     expected = reference_generate(model, prompts, max_new_tokens=6, do_sample=False)
     hfpaged.patch(model, num_blocks=40, block_size=4, max_num_seqs=8, async_scheduling=async_scheduling)
-    runner = hfpaged.model.attach.get_state(model).engine.runner
-    execute, fail_next, caught = runner.execute, [], []
-
-    def failing_execute(out):
-        if fail_next and not out.is_empty:
-            fail_next.clear()
-            raise torch.OutOfMemoryError("simulated")
-        return execute(out)
+    fail_next, caught = failing_next_step(model, monkeypatch), []
 
     class NestOnce(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
@@ -358,13 +358,9 @@ def test_a_nested_step_failing_in_a_stopping_criterion_leaves_the_outer_greedy_c
                 caught.append(error.value)
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
-    runner.execute = failing_execute
-    try:
-        got = model.generate_many(
-            [dict(prompt=prompts[0], stopping_criteria=[NestOnce()]), *prompts[1:]], max_new_tokens=6, do_sample=False
-        )
-    finally:
-        runner.execute = execute
+    got = model.generate_many(
+        [dict(prompt=prompts[0], stopping_criteria=[NestOnce()]), *prompts[1:]], max_new_tokens=6, do_sample=False
+    )
     assert [r.token_ids for r in got] == expected and len(caught) == 1
     assert all_free(model)
 
